@@ -1,0 +1,56 @@
+# Shepherd's build, test and code generation. `make test` is the one test
+# command (the README says so and .ci/run calls it).
+
+GO            ?= go
+TOOLS         := $(CURDIR)/.tools
+SQLC_VERSION  := v1.31.1
+STATICCHECK_VERSION := v0.8.2
+SQLC          := $(TOOLS)/sqlc-$(SQLC_VERSION)/sqlc
+STATICCHECK   := $(TOOLS)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
+
+# Generated files, checked by `make generate-check`.
+GENERATED := bmdb/queries/candidates.gen.sql bmdb/model
+
+.PHONY: all build test generate generate-check lint bench tools require-postgres
+
+all: build
+
+build:
+	$(GO) build ./...
+
+require-postgres:
+	@scripts/require-postgres
+
+test: require-postgres
+	$(GO) test -race -count=1 ./...
+
+generate: $(SQLC)
+	$(GO) run ./bmdb/internal/gencandidates -in bmdb/candidates -out bmdb/queries/candidates.gen.sql
+	$(SQLC) generate
+
+# Fails if the committed generated code differs from what `make generate`
+# produces now.
+generate-check: generate
+	@if [ -n "$$(git status --porcelain -- $(GENERATED))" ]; then \
+		echo "generated code is stale; run 'make generate' and commit the result:"; \
+		git status --porcelain -- $(GENERATED); \
+		git diff --stat -- $(GENERATED); \
+		exit 1; \
+	fi
+
+lint: $(STATICCHECK)
+	@out=$$(gofmt -l $$(git ls-files '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	$(STATICCHECK) ./...
+
+bench: require-postgres
+	$(GO) run ./bench
+
+tools: $(SQLC) $(STATICCHECK)
+
+$(SQLC):
+	GOBIN=$(dir $@) $(GO) install github.com/sqlc-dev/sqlc/cmd/sqlc@$(SQLC_VERSION)
+
+$(STATICCHECK):
+	GOBIN=$(dir $@) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)

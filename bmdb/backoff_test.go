@@ -1,0 +1,230 @@
+package bmdb_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+)
+
+func TestBackoffPolicyNext(t *testing.T) {
+	t.Parallel()
+	s := time.Second
+	tests := []struct {
+		name   string
+		policy bmdb.BackoffPolicy
+		want   []time.Duration // intervals of failures 1, 2, 3, ...
+	}{
+		{"agent start default", bmdb.AgentStartBackoff(),
+			[]time.Duration{300 * s, 360 * s, 432 * s, 519 * s, 623 * s, 748 * s}},
+		{"recovery default", bmdb.RecoveryBackoff(),
+			[]time.Duration{60 * s, 72 * s, 87 * s, 105 * s, 126 * s}},
+		{"rounds up to whole seconds so it always grows", bmdb.BackoffPolicy{Initial: s, Exponent: 1.1},
+			[]time.Duration{s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s, 8 * s, 9 * s, 10 * s, 11 * s, 13 * s}},
+		{"sub-second initial", bmdb.BackoffPolicy{Initial: 200 * time.Millisecond, Exponent: 2},
+			[]time.Duration{200 * time.Millisecond, s, 2 * s, 4 * s}},
+		{"capped", bmdb.BackoffPolicy{Initial: 10 * s, Maximum: 25 * s, Exponent: 2},
+			[]time.Duration{10 * s, 20 * s, 25 * s, 25 * s}},
+		{"cap below the next step", bmdb.BackoffPolicy{Initial: 10 * s, Maximum: 10 * s, Exponent: 3},
+			[]time.Duration{10 * s, 10 * s, 10 * s}},
+		{"exponent 1 is constant", bmdb.BackoffPolicy{Initial: 7 * s, Exponent: 1},
+			[]time.Duration{7 * s, 7 * s, 7 * s}},
+		{"exponent 0 is constant", bmdb.BackoffPolicy{Initial: 7 * s},
+			[]time.Duration{7 * s, 7 * s, 7 * s}},
+		{"exponent below 1 is constant", bmdb.BackoffPolicy{Initial: 7 * s, Exponent: 0.5},
+			[]time.Duration{7 * s, 7 * s, 7 * s}},
+		{"huge growth saturates at the cap", bmdb.BackoffPolicy{Initial: time.Hour, Maximum: 24 * time.Hour, Exponent: 1e6},
+			[]time.Duration{time.Hour, 24 * time.Hour, 24 * time.Hour}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.policy.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			var got []time.Duration
+			var last time.Duration
+			for range tt.want {
+				last = tt.policy.Next(last)
+				got = append(got, last)
+			}
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("intervals (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestBackoffPolicyValidate(t *testing.T) {
+	t.Parallel()
+	bad := map[string]bmdb.BackoffPolicy{
+		"no initial":        {},
+		"negative initial":  {Initial: -time.Second},
+		"maximum < initial": {Initial: time.Minute, Maximum: time.Second},
+		"negative exponent": {Initial: time.Second, Exponent: -2},
+		"jitter above 1":    {Initial: time.Second, Jitter: 1.5},
+		"negative jitter":   {Initial: time.Second, Jitter: -0.1},
+		"negative attempts": {Initial: time.Second, MaxAttempts: -1},
+	}
+	for name, p := range bad {
+		if err := p.Validate(); err == nil {
+			t.Errorf("%s: Validate() = nil, want an error", name)
+		}
+	}
+}
+
+// failOnce claims the machine for process and fails it with policy, after
+// letting any earlier backoff run out (by moving it into the past: waiting
+// minutes would prove nothing more).
+func failOnce(t *testing.T, db *bmdbtest.DB, s *bmdb.Session, process bmdb.Process, cands bmdb.Candidates, policy bmdb.BackoffPolicy, cause string) bmdb.Backoff {
+	t.Helper()
+	db.Exec(t, "UPDATE work_backoff SET backoff_until = now() - interval '1 millisecond'")
+	w, err := s.Work(t.Context(), process, cands)
+	if err != nil {
+		t.Fatalf("Work: %v", err)
+	}
+	b, err := w.Fail(t.Context(), policy, cause)
+	if err != nil {
+		t.Fatalf("Fail: %v", err)
+	}
+	return b
+}
+
+func TestBackoffInDatabase(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	id := bmdbtest.AddMachine(t, db, s, "p")
+	cands := bmdb.AgentStartCandidates("p")
+	policy := bmdb.BackoffPolicy{Initial: 10 * time.Second, Maximum: time.Minute, Exponent: 2, Jitter: 0.5, MaxAttempts: 5}
+
+	wantIntervals := []time.Duration{10 * time.Second, 20 * time.Second, 40 * time.Second, time.Minute}
+	for i, want := range wantIntervals {
+		before := bmdbtest.Scalar[time.Time](t, db, "SELECT now()")
+		b := failOnce(t, db, s, bmdb.ProcessAgentStart, cands, policy, "ssh: connection refused")
+		after := bmdbtest.Scalar[time.Time](t, db, "SELECT now()")
+		if b.Interval != want || b.Attempts != i+1 || b.Quarantined {
+			t.Fatalf("failure %d: backoff %+v, want interval %s, attempts %d, not quarantined", i+1, b, want, i+1)
+		}
+		// Jitter stretches the wait by up to 50 %, never shortens it.
+		if lo, hi := before.Add(want), after.Add(want+want/2); b.Until.Before(lo) || b.Until.After(hi) {
+			t.Fatalf("failure %d: until %s outside [%s, %s]", i+1, b.Until, lo, hi)
+		}
+		// While backed off, the machine is no candidate for this process.
+		if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands); !errors.Is(err, bmdb.ErrNothingToDo) {
+			t.Fatalf("Work while backed off: %v, want ErrNothingToDo", err)
+		}
+		stored, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if stored.Interval != want || stored.Attempts != i+1 || stored.Cause != "ssh: connection refused" {
+			t.Fatalf("failure %d: stored %+v", i+1, stored)
+		}
+	}
+
+	// The fifth failure in a row quarantines: the machine stays out even
+	// after the backoff runs out, until an operator resets it.
+	b := failOnce(t, db, s, bmdb.ProcessAgentStart, cands, policy, "ssh: host key mismatch")
+	if !b.Quarantined || b.Attempts != 5 {
+		t.Fatalf("fifth failure: %+v, want quarantined after 5 attempts", b)
+	}
+	db.Exec(t, "UPDATE work_backoff SET backoff_until = now() - interval '1 hour'")
+	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands); !errors.Is(err, bmdb.ErrNothingToDo) {
+		t.Fatalf("Work on a quarantined machine: %v, want ErrNothingToDo", err)
+	}
+	if err := db.ResetBackoff(t.Context(), id, bmdb.ProcessAgentStart, "operator alice: replaced the NIC"); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.ResetBackoff(t.Context(), id, bmdb.ProcessAgentStart, "again"); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Fatalf("second reset: %v, want ErrNotFound", err)
+	}
+	// After the reset the count starts over.
+	b = failOnce(t, db, s, bmdb.ProcessAgentStart, cands, policy, "flaky")
+	if b.Attempts != 1 || b.Interval != 10*time.Second || b.Quarantined {
+		t.Fatalf("first failure after reset: %+v", b)
+	}
+	// A success clears the backoff; a cancel leaves it alone.
+	db.Exec(t, "UPDATE work_backoff SET backoff_until = now() - interval '1 millisecond'")
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Cancel(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart); err != nil || got.Attempts != 1 {
+		t.Fatalf("backoff after Cancel: %+v, %v; want it untouched", got, err)
+	}
+	w, err = s.Work(t.Context(), bmdb.ProcessAgentStart, cands)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(t.Context(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Fatalf("backoff after Finish: %v, want ErrNotFound", err)
+	}
+
+	var events []bmdb.Event
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range h {
+		events = append(events, e.Event)
+	}
+	want := []bmdb.Event{
+		"Started", "Failed", "Started", "Failed", "Started", "Failed", "Started", "Failed",
+		"Started", "Failed", "Quarantined", "Reset", "Started", "Failed", "Started", "Canceled", "Started", "Finished",
+	}
+	if diff := cmp.Diff(want, events); diff != "" {
+		t.Errorf("history (-want +got):\n%s", diff)
+	}
+	for _, e := range h {
+		if e.Event == bmdb.EventReset && (e.Cause != "operator alice: replaced the NIC" || e.SessionID != nil) {
+			t.Errorf("Reset row %+v, want the operator's cause and no session", e)
+		}
+	}
+}
+
+// TestJitterSpreadsRetries fails many machines at once and checks that their
+// retries are spread over the jitter window, not bunched at one instant.
+func TestJitterSpreadsRetries(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	const n = 200
+	for range n {
+		bmdbtest.AddMachine(t, db, s, "p")
+	}
+	policy := bmdb.BackoffPolicy{Initial: 100 * time.Second, Jitter: 0.2}
+	for range n {
+		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.Fail(context.WithoutCancel(t.Context()), policy, "boom"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Every wait lies within [100 s, 120 s] of its failure, and the waits
+	// cover most of that window.
+	var lo, hi float64
+	if err := db.Pool.QueryRow(t.Context(), `
+		SELECT min(extract(epoch FROM b.backoff_until - h.at)), max(extract(epoch FROM b.backoff_until - h.at))
+		FROM work_backoff b JOIN work_history h ON h.machine_id = b.machine_id AND h.event = 'Failed'`).Scan(&lo, &hi); err != nil {
+		t.Fatal(err)
+	}
+	if lo < 100 || hi > 120 {
+		t.Errorf("waits span [%.2f s, %.2f s], want within [100 s, 120 s]", lo, hi)
+	}
+	if hi-lo < 10 {
+		t.Errorf("waits span only %.2f s of the 20 s jitter window", hi-lo)
+	}
+}

@@ -1,0 +1,234 @@
+// Package bmdbtest gives every test a real, freshly migrated PostgreSQL
+// database.
+//
+// A test binary that uses it calls Main from TestMain. The first test that
+// asks for a database starts one private PostgreSQL cluster for the whole
+// binary (initdb into a temporary directory, unix socket only, as the
+// postgres OS user when running as root), migrates a template database once,
+// and then hands each test its own database cloned from the template and
+// dropped when the test ends. Main stops the cluster after the tests.
+//
+// With SHEPHERD_TEST_DATABASE_URL set, the harness uses that server instead
+// (the role needs CREATEDB): it creates the template and the per-test
+// databases there and drops them again.
+//
+// If no PostgreSQL server is installed, tests fail with the command that
+// installs it. They do not skip.
+package bmdbtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/pgserver"
+)
+
+// EnvDatabaseURL names the environment variable that points the harness at
+// an external PostgreSQL server instead of a private cluster.
+const EnvDatabaseURL = "SHEPHERD_TEST_DATABASE_URL"
+
+// cluster is the per-binary state of the harness. It is process-wide by
+// nature: one PostgreSQL cluster serves every test of the binary.
+type cluster struct {
+	once    sync.Once
+	err     error
+	server  *pgserver.Server // nil when using an external server
+	admin   *pgxpool.Pool    // connection to the maintenance database
+	baseURL *url.URL         // URL whose path is replaced per database
+	tmpl    string           // template database name
+	create  sync.Mutex       // CREATE DATABASE ... TEMPLATE one at a time
+	seq     atomic.Int64
+}
+
+var (
+	mainCalled atomic.Bool
+	shared     cluster
+)
+
+// Main runs the package's tests and then stops the private cluster (or drops
+// the template on an external server). Call it from TestMain:
+//
+//	func TestMain(m *testing.M) { bmdbtest.Main(m) }
+func Main(m *testing.M) {
+	mainCalled.Store(true)
+	code := m.Run()
+	if err := shared.shutdown(); err != nil {
+		fmt.Fprintln(os.Stderr, "bmdbtest:", err)
+		if code == 0 {
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func (c *cluster) start() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	adminURL := os.Getenv(EnvDatabaseURL)
+	if adminURL == "" {
+		srv, err := pgserver.Start(ctx, pgserver.Config{})
+		if err != nil {
+			if errors.Is(err, pgserver.ErrNotInstalled) {
+				return fmt.Errorf("the BMDB tests need a PostgreSQL server (or %s pointing at one): %w", EnvDatabaseURL, err)
+			}
+			return err
+		}
+		c.server = srv
+		adminURL = srv.URL("postgres")
+	}
+	u, err := url.Parse(adminURL)
+	if err != nil || u.Scheme == "" {
+		return fmt.Errorf("%s must be a postgres:// URL", EnvDatabaseURL)
+	}
+	c.baseURL = u
+	c.admin, err = pgxpool.New(ctx, adminURL)
+	if err != nil {
+		return fmt.Errorf("connecting to the test server: %w", err)
+	}
+	c.tmpl = fmt.Sprintf("shepherd_template_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)
+	if _, err := c.admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{c.tmpl}.Sanitize()); err != nil {
+		return fmt.Errorf("creating template database: %w", err)
+	}
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: c.url(c.tmpl), MaxConns: 2})
+	if err != nil {
+		return fmt.Errorf("migrating template database: %w", err)
+	}
+	db.Close()
+	return nil
+}
+
+// url returns the connection URL of database on the test server.
+func (c *cluster) url(database string) string {
+	u := *c.baseURL
+	u.Path = "/" + database
+	return u.String()
+}
+
+func (c *cluster) shutdown() error {
+	if c.admin == nil && c.server == nil {
+		return nil
+	}
+	var errs []error
+	if c.admin != nil {
+		if c.server == nil && c.tmpl != "" {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			_, err := c.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{c.tmpl}.Sanitize()+" WITH (FORCE)")
+			cancel()
+			errs = append(errs, err)
+		}
+		c.admin.Close()
+	}
+	if c.server != nil {
+		errs = append(errs, c.server.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func (c *cluster) ready(t testing.TB) {
+	t.Helper()
+	if !mainCalled.Load() {
+		t.Fatal("bmdbtest: call bmdbtest.Main(m) from TestMain, so that the test cluster is stopped after the tests")
+	}
+	c.once.Do(func() { c.err = c.start() })
+	if c.err != nil {
+		t.Fatalf("bmdbtest: %v", c.err)
+	}
+}
+
+// NewDatabase creates a fresh, migrated database for the test, drops it when
+// the test ends, and returns its connection URL.
+func NewDatabase(t testing.TB) string {
+	t.Helper()
+	shared.ready(t)
+	name := fmt.Sprintf("%s_t%d", shared.tmpl, shared.seq.Add(1))
+	ctx := context.Background()
+	shared.create.Lock()
+	_, err := shared.admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
+		pgx.Identifier{name}.Sanitize(), pgx.Identifier{shared.tmpl}.Sanitize()))
+	shared.create.Unlock()
+	if err != nil {
+		t.Fatalf("bmdbtest: creating database %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := shared.admin.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Errorf("bmdbtest: dropping database %s: %v", name, err)
+		}
+	})
+	return shared.url(name)
+}
+
+// DB is a test's own BMDB, plus a raw connection pool for setting up states
+// the API does not produce directly (backdated heartbeats, large fleets).
+type DB struct {
+	*bmdb.DB
+	// URL connects to the test's database.
+	URL string
+	// Pool runs raw SQL against the test's database.
+	Pool *pgxpool.Pool
+}
+
+// New opens a fresh database for the test with bmdb.Open. The DB is closed
+// and the database dropped when the test ends.
+func New(t testing.TB) *DB {
+	t.Helper()
+	return NewWithConfig(t, bmdb.Config{})
+}
+
+// NewWithConfig is New with cfg's options; cfg.URL is set by the harness.
+func NewWithConfig(t testing.TB, cfg bmdb.Config) *DB {
+	t.Helper()
+	cfg.URL = NewDatabase(t)
+	db, err := bmdb.Open(t.Context(), cfg)
+	if err != nil {
+		t.Fatalf("bmdbtest: opening BMDB: %v", err)
+	}
+	pool, err := pgxpool.New(t.Context(), cfg.URL)
+	if err != nil {
+		t.Fatalf("bmdbtest: connecting: %v", err)
+	}
+	t.Cleanup(func() {
+		pool.Close()
+		db.Close()
+	})
+	return &DB{DB: db, URL: cfg.URL, Pool: pool}
+}
+
+// Exec runs a statement on the test's database and fails the test on error.
+func (d *DB) Exec(t testing.TB, sql string, args ...any) {
+	t.Helper()
+	if _, err := d.Pool.Exec(t.Context(), sql, args...); err != nil {
+		t.Fatalf("bmdbtest: %s: %v", firstLine(sql), err)
+	}
+}
+
+// Scalar runs a query returning one value and returns it.
+func Scalar[T any](t testing.TB, d *DB, sql string, args ...any) T {
+	t.Helper()
+	var v T
+	if err := d.Pool.QueryRow(t.Context(), sql, args...).Scan(&v); err != nil {
+		t.Fatalf("bmdbtest: %s: %v", firstLine(sql), err)
+	}
+	return v
+}
+
+func firstLine(s string) string {
+	s = strings.TrimSpace(s)
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i] + " ..."
+	}
+	return s
+}

@@ -1,0 +1,222 @@
+package bmdb_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+)
+
+// historyViolations checks, in the database, that the history of every
+// machine is a sequence of claims that never overlap: each Started follows
+// the end of the previous claim, and each end (Finished, Failed, Canceled,
+// Expired) ends the claim the last Started made, under the same session. The
+// history is written in the same transaction as every transition and a claim
+// can only see a machine free after the previous end committed, so history
+// order is claim order. It returns a description of each violation.
+func historyViolations(t *testing.T, db *bmdbtest.DB) []string {
+	t.Helper()
+	rows, err := db.Pool.Query(t.Context(), `
+		WITH claims AS (
+			SELECT machine_id, history_id, event, session_id,
+			       lag(event) OVER w AS prev_event,
+			       lag(session_id) OVER w AS prev_session
+			FROM work_history
+			WHERE event IN ('Started', 'Finished', 'Failed', 'Canceled', 'Expired')
+			  AND process IN (SELECT process FROM processes WHERE machine_exclusive)
+			WINDOW w AS (PARTITION BY machine_id ORDER BY history_id)
+		)
+		SELECT machine_id, history_id, event, coalesce(prev_event, '')
+		FROM claims
+		WHERE (event = 'Started' AND prev_event = 'Started')
+		   OR (event <> 'Started' AND (prev_event IS DISTINCT FROM 'Started' OR prev_session IS DISTINCT FROM session_id))
+		LIMIT 20`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var m uuid.UUID
+		var id int64
+		var ev, prev string
+		if err := rows.Scan(&m, &id, &ev, &prev); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, fmt.Sprintf("machine %s: history %d %s after %q", m, id, ev, prev))
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestConcurrentWorkers runs 16 workers in 4 sessions over 500 machines for
+// a while. Half the workers start agents (Finish sets AgentStarted), half
+// recover machines whose first heartbeat never came (Finish clears the agent
+// tags), so every machine keeps cycling between two mutually exclusive
+// processes. Claims must be unique at every instant: checked live in Go, by
+// sampling the work table, and afterwards in the history. Every machine must
+// be processed and no worker may fail.
+func TestConcurrentWorkers(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		strategy bmdb.ClaimStrategy
+		run      time.Duration
+	}{
+		{"skip locked", bmdb.ClaimSkipLocked, 10 * time.Second},
+		{"plain limit", bmdb.ClaimPlainLimit, 10 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			runConcurrentWorkers(t, tc.strategy, tc.run)
+		})
+	}
+}
+
+func runConcurrentWorkers(t *testing.T, strategy bmdb.ClaimStrategy, run time.Duration) {
+	const (
+		machines = 500
+		sessions = 4
+		workers  = 16
+	)
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	ids := make([]uuid.UUID, machines)
+	for i := range ids {
+		ids[i] = bmdbtest.AddMachine(t, db, setup, "p")
+	}
+	var ss []*bmdb.Session
+	for i := range sessions {
+		s, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: fmt.Sprintf("worker-%d", i), ClaimStrategy: strategy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ss = append(ss, s)
+	}
+
+	var (
+		holders   sync.Map // machine -> worker holding it, as Go sees it
+		processed sync.Map // machine -> true
+		cycles    atomic.Int64
+		idle      atomic.Int64
+		lost      atomic.Int64
+	)
+	policy := bmdb.BackoffPolicy{Initial: 50 * time.Millisecond}
+	ctx, cancel := context.WithTimeout(t.Context(), run)
+	defer cancel()
+	g, gctx := errgroup.WithContext(ctx)
+
+	// Sampler: the work table must never show a machine held twice by
+	// machine-exclusive processes.
+	g.Go(func() error {
+		tick := time.NewTicker(2 * time.Millisecond)
+		defer tick.Stop()
+		for ; gctx.Err() == nil; <-tick.C {
+			var dup int
+			err := db.Pool.QueryRow(gctx, `SELECT count(*) FROM (
+				SELECT machine_id FROM work WHERE machine_exclusive GROUP BY machine_id HAVING count(*) > 1) d`).Scan(&dup)
+			if err != nil && gctx.Err() == nil {
+				return fmt.Errorf("sampling work: %w", err)
+			}
+			if dup > 0 {
+				return fmt.Errorf("%d machines held twice at once", dup)
+			}
+		}
+		return nil
+	})
+	for i := range workers {
+		s := ss[i%sessions]
+		process, cands := bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")
+		finish := func(ctx context.Context, tx *bmdb.Tx, id uuid.UUID) error {
+			return tx.SetAgentStarted(ctx, id, make([]byte, 32))
+		}
+		if i%2 == 1 {
+			process, cands = bmdb.ProcessRecovery, bmdb.RecoveryCandidates("p", time.Millisecond, time.Hour)
+			finish = func(ctx context.Context, tx *bmdb.Tx, id uuid.UUID) error { return tx.ClearAgent(ctx, id) }
+		}
+		g.Go(func() error {
+			for {
+				w, err := s.Work(gctx, process, cands)
+				switch {
+				case errors.Is(err, bmdb.ErrNothingToDo):
+					// Like a control loop, pause instead of polling at full rate.
+					idle.Add(1)
+					select {
+					case <-gctx.Done():
+					case <-time.After(5 * time.Millisecond):
+					}
+					continue
+				case errors.Is(err, bmdb.ErrWorkConflict):
+					lost.Add(1)
+					continue
+				case err != nil && gctx.Err() != nil:
+					return nil
+				case err != nil:
+					return fmt.Errorf("worker %d: Work: %w", i, err)
+				}
+				if prev, loaded := holders.LoadOrStore(w.MachineID, i); loaded {
+					return fmt.Errorf("worker %d claimed machine %s held by worker %v", i, w.MachineID, prev)
+				}
+				processed.Store(w.MachineID, true)
+				// Release in Go before the database does, so that the next
+				// holder can never find us still registered.
+				holders.Delete(w.MachineID)
+				endCtx := context.WithoutCancel(gctx)
+				switch r := rand.IntN(10); {
+				case r < 8:
+					err = w.Finish(endCtx, func(ctx context.Context, tx *bmdb.Tx) error { return finish(ctx, tx, w.MachineID) })
+				case r < 9:
+					_, err = w.Fail(endCtx, policy, "injected failure")
+				default:
+					err = w.Cancel(endCtx)
+				}
+				if err != nil {
+					return fmt.Errorf("worker %d: ending work on %s: %w", i, w.MachineID, err)
+				}
+				cycles.Add(1)
+			}
+		})
+	}
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range ss {
+		if s.Lost() {
+			t.Errorf("session %s was lost during the run", s.ID())
+		}
+		// Close cancels anything a worker claimed just as the run ended.
+		if err := s.Close(t.Context()); err != nil {
+			t.Error(err)
+		}
+	}
+	for _, id := range ids {
+		if _, ok := processed.Load(id); !ok {
+			t.Errorf("machine %s was never processed", id)
+		}
+	}
+	if v := historyViolations(t, db); len(v) > 0 {
+		t.Errorf("history shows overlapping claims:\n%v", v)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows left after every session closed", n)
+	}
+	ended := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work_history WHERE event IN ('Finished', 'Failed', 'Canceled')")
+	started := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work_history WHERE event = 'Started'")
+	if started != ended || started < cycles.Load() {
+		t.Errorf("history: %d Started, %d ended; workers completed %d cycles", started, ended, cycles.Load())
+	}
+	t.Logf("%d cycles in %s (%.0f/s); %d claims found nothing free, %d kept losing races",
+		cycles.Load(), run, float64(cycles.Load())/run.Seconds(), idle.Load(), lost.Load())
+}

@@ -1,0 +1,116 @@
+package bmdb
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// Config says which database to use and how. Zero values mean defaults.
+type Config struct {
+	// URL is the PostgreSQL connection string (URL or key=value form); required.
+	URL string
+	// MaxConns bounds the connection pool; default 8 + 4 per CPU, which leaves
+	// room for a few dozen workers without queueing on the pool.
+	MaxConns int32
+	// SkipMigrations leaves the schema alone on Open; Open then fails if the
+	// database is older than this binary. Default: migrate on Open.
+	SkipMigrations bool
+	// Registerer receives the BMDB client metrics; nil keeps them private.
+	Registerer prometheus.Registerer
+	// Logger receives session and retry events; nil discards them.
+	Logger *slog.Logger
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c Config) Validate() error {
+	if c.URL == "" {
+		return errors.New("bmdb: Config.URL is required")
+	}
+	if c.MaxConns < 0 {
+		return fmt.Errorf("bmdb: Config.MaxConns must be >= 0 (0 = default), got %d", c.MaxConns)
+	}
+	return nil
+}
+
+// DB is an open BMDB: a connection pool, the schema version it found, and the
+// client metrics. It is safe for concurrent use.
+type DB struct {
+	pool    *pgxpool.Pool
+	q       *model.Queries
+	log     *slog.Logger
+	metrics *metrics
+	version int64
+}
+
+// Open connects to the database, applies the embedded migrations (unless
+// cfg.SkipMigrations) and returns the DB. Migrations are serialised between
+// processes, so any number of processes may open the same database at once.
+func Open(ctx context.Context, cfg Config) (*DB, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = cmp.Or(cfg.MaxConns, int32(8+4*runtime.GOMAXPROCS(0)))
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reg := cfg.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	pcfg, err := pgxpool.ParseConfig(cfg.URL)
+	if err != nil {
+		// The parse error may quote the URL, password included.
+		return nil, errors.New("bmdb: parsing database URL: invalid connection string")
+	}
+	pcfg.MaxConns = cfg.MaxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: creating connection pool: %w", err)
+	}
+	db := &DB{pool: pool, q: model.New(pool), log: log.With("component", "bmdb")}
+	if err := db.open(ctx, cfg, reg); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return db, nil
+}
+
+func (db *DB) open(ctx context.Context, cfg Config, reg prometheus.Registerer) error {
+	if err := db.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("bmdb: connecting to %s: %w", redactedTarget(db.pool), err)
+	}
+	var err error
+	if cfg.SkipMigrations {
+		db.version, err = db.checkSchema(ctx)
+	} else {
+		db.version, err = db.Migrate(ctx)
+	}
+	if err != nil {
+		return err
+	}
+	db.metrics, err = newMetrics(reg)
+	return err
+}
+
+// redactedTarget names the server and database of the pool without the
+// password, for error messages.
+func redactedTarget(pool *pgxpool.Pool) string {
+	cc := pool.Config().ConnConfig
+	return fmt.Sprintf("database %q on %s:%d", cc.Database, cc.Host, cc.Port)
+}
+
+// SchemaVersion is the migration version the database was at after Open.
+func (db *DB) SchemaVersion() int64 { return db.version }
+
+// Close closes every connection. Sessions must be closed first.
+func (db *DB) Close() { db.pool.Close() }

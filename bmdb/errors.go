@@ -1,0 +1,44 @@
+package bmdb
+
+import (
+	"errors"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrSessionExpired means the session's lease lapsed (or it was closed) and
+// its locks are gone. Start a new session: no call on this one can succeed again.
+var ErrSessionExpired = errors.New("bmdb: session expired")
+
+// ErrNothingToDo means no machine is a free candidate for the process right now.
+var ErrNothingToDo = errors.New("bmdb: nothing to do")
+
+// ErrWorkConflict means every attempt to claim a candidate lost a race with
+// another claimer. It is transient: try again later.
+var ErrWorkConflict = errors.New("bmdb: work conflict")
+
+// ErrWorkEnded means Finish, Fail or Cancel was called on a work item that
+// had already ended.
+var ErrWorkEnded = errors.New("bmdb: work already ended")
+
+// ErrNotFound means the machine, session or record asked for does not exist.
+var ErrNotFound = errors.New("bmdb: not found")
+
+// SQLSTATEs that make a transaction worth retrying as a whole.
+const (
+	sqlstateSerializationFailure = "40001"
+	sqlstateDeadlockDetected     = "40P01"
+)
+
+// retryableCode returns the SQLSTATE of err if retrying the whole transaction
+// can succeed (serialization failure or deadlock), and "" otherwise.
+func retryableCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case sqlstateSerializationFailure, sqlstateDeadlockDetected:
+			return pgErr.Code
+		}
+	}
+	return ""
+}

@@ -1,0 +1,80 @@
+-- name: SessionStart :one
+-- SessionStart opens a session whose lease runs lease_ms from now (database time).
+INSERT INTO sessions (component, hostname, pid, version, lease_ms, deadline)
+VALUES (@component, @hostname, @pid, @version, @lease_ms, now() + interval '1 millisecond' * @lease_ms::bigint)
+RETURNING session_id, deadline;
+
+-- name: SessionRenew :one
+-- SessionRenew moves the deadline of a live session; it returns no row once
+-- the session has expired or was closed, because the locks of such a session may
+-- already belong to someone else and must not be revived.
+UPDATE sessions
+SET deadline = now() + lease_ms * interval '1 millisecond'
+WHERE session_id = @session_id AND deadline > now() AND closed_at IS NULL
+RETURNING deadline;
+
+-- name: SessionAlive :one
+SELECT EXISTS (
+    SELECT 1 FROM sessions
+    WHERE session_id = @session_id AND deadline > now() AND closed_at IS NULL)::boolean AS alive;
+
+-- name: SessionClose :one
+-- SessionClose marks the session closed and, if it was still alive, cancels
+-- its work (history Canceled) in the same statement. Work of a session that had
+-- already expired is left for expiry, which records it as Expired.
+WITH closed AS (
+    UPDATE sessions s
+    SET closed_at = now()
+    WHERE s.session_id = @session_id AND s.closed_at IS NULL
+    RETURNING (s.deadline > now())::boolean AS alive
+),
+canceled AS (
+    DELETE FROM work w
+    WHERE w.session_id = @session_id AND (SELECT cl.alive FROM closed cl)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+canceled_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT ca.machine_id, ca.process, 'Canceled', ca.session_id, 'session closed'
+    FROM canceled ca
+    RETURNING history_id
+)
+SELECT
+    (SELECT count(*) FROM closed)::bigint AS closed,
+    COALESCE((SELECT alive FROM closed), false)::boolean AS was_alive,
+    (SELECT count(*) FROM canceled_history)::bigint AS canceled;
+
+-- name: SessionGet :one
+SELECT session_id, component, hostname, pid, version, created_at, lease_ms, deadline, closed_at,
+       (deadline > now() AND closed_at IS NULL)::boolean AS alive
+FROM sessions
+WHERE session_id = @session_id;
+
+-- name: SessionList :many
+SELECT session_id, component, hostname, pid, version, created_at, lease_ms, deadline, closed_at,
+       (deadline > now() AND closed_at IS NULL)::boolean AS alive
+FROM sessions
+ORDER BY created_at DESC
+LIMIT @row_limit::integer;
+
+-- name: WorkExpire :many
+-- WorkExpire removes the work of every dead session (deadline passed, or
+-- closed while expired) and writes history Expired naming that session.
+WITH expired AS (
+    DELETE FROM work w
+    USING sessions s
+    WHERE s.session_id = w.session_id
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT machine_id, process, 'Expired', session_id, 'session ' || session_id::text || ' expired'
+FROM expired
+RETURNING machine_id, process, session_id;
+
+-- name: SessionsDelete :execrows
+-- SessionsDelete deletes sessions that ended (closed, or past their deadline)
+-- more than retention_ms ago and hold no work; history keeps their ids.
+DELETE FROM sessions s
+WHERE COALESCE(s.closed_at, s.deadline) < now() - interval '1 millisecond' * @retention_ms::bigint
+  AND NOT EXISTS (SELECT 1 FROM work w WHERE w.session_id = s.session_id);

@@ -1,0 +1,318 @@
+package bmdb
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// DefaultLease is the session lease when SessionConfig.Lease is zero (SPEC §2.3).
+const DefaultLease = 10 * time.Second
+
+// minLease keeps renewal (every lease/3) from turning into a busy loop.
+const minLease = 300 * time.Millisecond
+
+// ClaimStrategy selects how Work picks among candidates.
+type ClaimStrategy int
+
+const (
+	// ClaimSkipLocked locks a candidate with FOR UPDATE SKIP LOCKED, so
+	// concurrent workers spread over the candidates. The default.
+	ClaimSkipLocked ClaimStrategy = iota
+	// ClaimPlainLimit takes the first candidate with a plain LIMIT 1, so
+	// concurrent workers pick the same machine and queue on its insert. It is
+	// the baseline `make bench` measures ClaimSkipLocked against; it is just
+	// as correct, only slower under contention.
+	ClaimPlainLimit
+)
+
+// SessionConfig describes a component instance. Zero values mean defaults.
+type SessionConfig struct {
+	// Component names what runs under the session (initializer, server, ...); required.
+	Component string
+	// Lease is how long the session stays alive without a renewal; renewals
+	// happen every Lease/3. Default DefaultLease; at least 300ms.
+	Lease time.Duration
+	// Hostname and Version are recorded for operators; defaults are the OS
+	// hostname and the binary's module version.
+	Hostname string
+	Version  string
+	// ClaimStrategy selects how Work claims; default ClaimSkipLocked.
+	ClaimStrategy ClaimStrategy
+	// ScanLimit is how many candidates one claim may look at before giving
+	// up on the ones other workers hold; default 64.
+	ScanLimit int
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c SessionConfig) Validate() error {
+	if c.Component == "" {
+		return errors.New("bmdb: SessionConfig.Component is required")
+	}
+	if c.Lease != 0 && c.Lease < minLease {
+		return fmt.Errorf("bmdb: SessionConfig.Lease must be 0 (default %s) or at least %s, got %s", DefaultLease, minLease, c.Lease)
+	}
+	if c.ClaimStrategy != ClaimSkipLocked && c.ClaimStrategy != ClaimPlainLimit {
+		return fmt.Errorf("bmdb: SessionConfig.ClaimStrategy %d is not a known strategy", c.ClaimStrategy)
+	}
+	if c.ScanLimit < 0 {
+		return fmt.Errorf("bmdb: SessionConfig.ScanLimit must be >= 0 (0 = default), got %d", c.ScanLimit)
+	}
+	return nil
+}
+
+// Session is a running component instance's lease on the BMDB. While it is
+// alive, the work it claimed is its own; once it is lost (not renewed in
+// time) or closed, its context is cancelled and every call on it fails with
+// ErrSessionExpired.
+type Session struct {
+	db  *DB
+	id  uuid.UUID
+	cfg SessionConfig
+	log *slog.Logger
+
+	ctx    context.Context // cancelled when the session is lost or closed
+	cancel context.CancelCauseFunc
+
+	stopRenew context.CancelFunc
+	renewDone chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+	lostOnce  sync.Once
+}
+
+// StartSession opens a session and starts renewing its lease in the
+// background until Close. The session's context (Context) derives from ctx.
+func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Lease = cmp.Or(cfg.Lease, DefaultLease)
+	cfg.ScanLimit = cmp.Or(cfg.ScanLimit, 64)
+	if cfg.Hostname == "" {
+		cfg.Hostname, _ = os.Hostname()
+	}
+	if cfg.Version == "" {
+		cfg.Version = binaryVersion()
+	}
+	// The local deadline is measured from before the INSERT is sent, so it
+	// never runs later than the deadline the database computes.
+	sent := time.Now()
+	row, err := db.q.SessionStart(ctx, model.SessionStartParams{
+		Component: cfg.Component,
+		Hostname:  cfg.Hostname,
+		Pid:       int32(os.Getpid()),
+		Version:   cfg.Version,
+		LeaseMs:   cfg.Lease.Milliseconds(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: starting %s session: %w", cfg.Component, err)
+	}
+	s := &Session{
+		db:        db,
+		id:        row.SessionID,
+		cfg:       cfg,
+		log:       db.log.With("session_id", row.SessionID.String(), "session_component", cfg.Component),
+		renewDone: make(chan struct{}),
+	}
+	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	// Renewal outlives the caller's ctx: the session stays alive until Close,
+	// so that Close can still cancel the session's work cleanly.
+	rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	s.stopRenew = stop
+	db.metrics.sessionsStarted.WithLabelValues(cfg.Component).Inc()
+	db.metrics.sessionsOpen.WithLabelValues(cfg.Component).Inc()
+	go s.renew(rctx, sent.Add(cfg.Lease))
+	s.log.InfoContext(ctx, "session started", "lease", cfg.Lease)
+	return s, nil
+}
+
+// ID is the session's id, as recorded in history.
+func (s *Session) ID() uuid.UUID { return s.id }
+
+// Component is the component name the session was started with.
+func (s *Session) Component() string { return s.cfg.Component }
+
+// Context is cancelled when the session is lost or closed (or when the
+// context given to StartSession ends). Work done for the session should use
+// it, so that it stops once its locks may belong to someone else.
+func (s *Session) Context() context.Context { return s.ctx }
+
+// Lost reports whether the session's lease lapsed before Close.
+func (s *Session) Lost() bool {
+	return errors.Is(context.Cause(s.ctx), ErrSessionExpired)
+}
+
+// renew moves the deadline every lease/3. A failed renewal is retried more
+// often until localDeadline, our conservative estimate of the deadline in the
+// database: only then, or when the database says the session is gone, is the
+// session lost. A third of the lease lets two renewals in a row fail (a
+// PostgreSQL restart, a slow checkpoint) before anyone may treat our locks as
+// abandoned.
+func (s *Session) renew(ctx context.Context, localDeadline time.Time) {
+	defer close(s.renewDone)
+	period := s.cfg.Lease / 3
+	retry := max(period/5, 20*time.Millisecond)
+	t := time.NewTimer(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		sent := time.Now()
+		rctx, cancel := context.WithDeadline(ctx, localDeadline)
+		_, err := s.db.q.SessionRenew(rctx, s.id)
+		cancel()
+		switch {
+		case err == nil:
+			s.db.metrics.renewals.WithLabelValues("ok").Inc()
+			localDeadline = sent.Add(s.cfg.Lease)
+			t.Reset(period)
+		case errors.Is(err, pgx.ErrNoRows):
+			s.db.metrics.renewals.WithLabelValues("expired").Inc()
+			s.lose(ctx, "the database says the deadline passed")
+			return
+		case ctx.Err() != nil:
+			return
+		default:
+			s.db.metrics.renewals.WithLabelValues("error").Inc()
+			left := time.Until(localDeadline)
+			if left <= 0 {
+				s.lose(ctx, "renewals failed until the deadline passed: "+err.Error())
+				return
+			}
+			s.log.WarnContext(ctx, "session renewal failed, retrying", "err", err, "left", left.Round(time.Millisecond))
+			t.Reset(min(retry, left))
+		}
+	}
+}
+
+func (s *Session) lose(ctx context.Context, why string) {
+	s.lostOnce.Do(func() {
+		s.db.metrics.sessionsLost.WithLabelValues(s.cfg.Component).Inc()
+		s.db.metrics.sessionsOpen.WithLabelValues(s.cfg.Component).Dec()
+		s.log.ErrorContext(ctx, "session lost", "why", why)
+		s.cancel(ErrSessionExpired)
+	})
+}
+
+// Close ends the session: it stops renewal, then in one transaction cancels
+// the session's remaining work (history Canceled) and marks the session
+// closed. It uses a fresh context derived from ctx without its cancellation,
+// because Close typically runs during shutdown when ctx is already done.
+// Closing a lost session only marks it closed: its work is left to expire
+// (history Expired). Close is idempotent.
+func (s *Session) Close(ctx context.Context) error {
+	s.closeOnce.Do(func() {
+		s.stopRenew()
+		<-s.renewDone
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		var row model.SessionCloseRow
+		err := s.db.retry(cctx, func(ctx context.Context) error {
+			var err error
+			row, err = s.db.q.SessionClose(ctx, s.id)
+			return err
+		})
+		wasLost := s.Lost()
+		s.cancel(errSessionClosed)
+		if err != nil {
+			s.closeErr = fmt.Errorf("bmdb: closing session %s: %w", s.id, err)
+			return
+		}
+		if !wasLost {
+			s.db.metrics.sessionsOpen.WithLabelValues(s.cfg.Component).Dec()
+			s.db.metrics.sessionsClosed.WithLabelValues(s.cfg.Component).Inc()
+		}
+		s.log.InfoContext(cctx, "session closed", "canceled_work", row.Canceled, "was_alive", row.WasAlive)
+	})
+	return s.closeErr
+}
+
+// errSessionClosed is the cause of a closed session's context.
+var errSessionClosed = fmt.Errorf("session closed: %w", ErrSessionExpired)
+
+// KeepSession runs fn with a live session, and whenever that session is lost
+// (a database outage longer than the lease, a stalled process) closes it,
+// opens a new one and runs fn again. It returns nil once ctx is done, or the
+// error of fn if fn fails while its session is alive. fn must return when its
+// context, the session's, is done. Opening a session is retried with growing
+// pauses while the database is unreachable.
+func (db *DB) KeepSession(ctx context.Context, cfg SessionConfig, fn func(ctx context.Context, s *Session) error) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	pause := 100 * time.Millisecond
+	for {
+		s, err := db.StartSession(ctx, cfg)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			db.log.WarnContext(ctx, "cannot start session, retrying", "session_component", cfg.Component, "err", err, "pause", pause)
+			if !sleep(ctx, jitter(pause)) {
+				return nil
+			}
+			pause = min(2*pause, 5*time.Second)
+			continue
+		}
+		pause = 100 * time.Millisecond
+		err = fn(s.Context(), s)
+		lost := s.Lost()
+		if cerr := s.Close(ctx); cerr != nil && !lost {
+			db.log.WarnContext(ctx, "closing session", "err", cerr)
+		}
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case lost:
+			db.log.WarnContext(ctx, "session lost, starting a new one", "session_component", cfg.Component)
+		case err != nil:
+			return err
+		default:
+			return nil
+		}
+	}
+}
+
+// jitter returns a duration in [d/2, d), so that processes that failed
+// together do not retry together.
+func jitter(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + time.Duration(rand.Int64N(int64(d/2)))
+}
+
+// sleep waits for d or until ctx is done, and reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func binaryVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "unknown"
+}

@@ -1,0 +1,537 @@
+package bmdb_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+)
+
+func TestSessionRenewal(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	const lease = 600 * time.Millisecond
+	s := bmdbtest.Session(t, db, "test", lease)
+	first := bmdbtest.Scalar[time.Time](t, db, "SELECT deadline FROM sessions WHERE session_id = $1", s.ID())
+	// Outlive the lease several times over: renewals must keep moving the
+	// deadline, so the session stays alive.
+	bmdbtest.WaitFor(t, 10*time.Second, "deadline moved by three leases", func(ctx context.Context) (bool, error) {
+		var d time.Time
+		err := db.Pool.QueryRow(ctx, "SELECT deadline FROM sessions WHERE session_id = $1", s.ID()).Scan(&d)
+		return d.Sub(first) >= 3*lease, err
+	})
+	if s.Lost() || s.Context().Err() != nil {
+		t.Fatalf("session lost after renewals: %v", context.Cause(s.Context()))
+	}
+	if alive := bmdbtest.Scalar[bool](t, db, "SELECT deadline > now() AND closed_at IS NULL FROM sessions WHERE session_id = $1", s.ID()); !alive {
+		t.Fatal("session is not alive in the database")
+	}
+}
+
+func TestSessionLost(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg})
+	s := bmdbtest.Session(t, db, "test", time.Second)
+	bmdbtest.AddMachine(t, db, s, "p")
+	bmdbtest.AddMachine(t, db, s, "p")
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The database decides: once the deadline has passed, renewal fails and
+	// the session is lost, whatever the process thinks.
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", s.ID())
+	select {
+	case <-s.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("session context not cancelled after the deadline passed")
+	}
+	if !s.Lost() || !errors.Is(context.Cause(s.Context()), bmdb.ErrSessionExpired) {
+		t.Fatalf("Lost() = %v, cause %v", s.Lost(), context.Cause(s.Context()))
+	}
+	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); !errors.Is(err, bmdb.ErrSessionExpired) {
+		t.Errorf("Work on a lost session: %v, want ErrSessionExpired", err)
+	}
+	if err := w.Finish(t.Context(), nil); !errors.Is(err, bmdb.ErrSessionExpired) {
+		t.Errorf("Finish on a lost session: %v, want ErrSessionExpired", err)
+	}
+	if err := s.Transact(t.Context(), func(context.Context, *bmdb.Tx) error { return nil }); !errors.Is(err, bmdb.ErrSessionExpired) {
+		t.Errorf("Transact on a lost session: %v, want ErrSessionExpired", err)
+	}
+	// The lock is not released by the dead session: it is left for expiry.
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE session_id = $1", s.ID()); n != 1 {
+		t.Errorf("%d work rows of the lost session, want 1 left for expiry", n)
+	}
+	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_lost_total")); got != 1 {
+		t.Errorf("sessions_lost_total = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_open")); got != 0 {
+		t.Errorf("sessions_open = %v, want 0", got)
+	}
+	n, err := db.ExpireWork(t.Context())
+	if err != nil || n != 1 {
+		t.Fatalf("ExpireWork() = %d, %v; want 1", n, err)
+	}
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: w.MachineID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if last := h[len(h)-1]; last.Event != bmdb.EventExpired || last.SessionID == nil || *last.SessionID != s.ID() {
+		t.Errorf("last history row %+v, want Expired naming session %s", last, s.ID())
+	}
+}
+
+// metric returns the single collector registered under name, summed over
+// its series by testutil.ToFloat64.
+func metric(t *testing.T, reg *prometheus.Registry, name string) prometheus.Collector {
+	t.Helper()
+	return collectorFunc(func(ch chan<- prometheus.Metric) {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+			var sum float64
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "sum", nil, nil), prometheus.UntypedValue, sum)
+			return
+		}
+		t.Fatalf("metric %s not registered", name)
+	})
+}
+
+type collectorFunc func(chan<- prometheus.Metric)
+
+func (f collectorFunc) Describe(chan<- *prometheus.Desc)    {}
+func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
+
+func TestSessionClose(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	m1 := bmdbtest.AddMachine(t, db, setup, "p")
+	m2 := bmdbtest.AddMachine(t, db, setup, "p")
+	s, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "initializer"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Close is called on shutdown, with the process's context already done.
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(ctx); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if s.Context().Err() == nil {
+		t.Error("session context still live after Close")
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows after Close, want 0", n)
+	}
+	for _, m := range []uuid.UUID{m1, m2} {
+		h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(h) != 2 || h[1].Event != bmdb.EventCanceled || *h[1].SessionID != s.ID() {
+			t.Errorf("history of %s: %+v, want Started then Canceled by the session", m, h)
+		}
+	}
+	if closed := bmdbtest.Scalar[bool](t, db, "SELECT closed_at IS NOT NULL FROM sessions WHERE session_id = $1", s.ID()); !closed {
+		t.Error("session not marked closed")
+	}
+	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); !errors.Is(err, bmdb.ErrSessionExpired) {
+		t.Errorf("Work after Close: %v, want ErrSessionExpired", err)
+	}
+	// Both machines are free again.
+	if n, err := db.CountCandidates(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); err != nil || n != 2 {
+		t.Errorf("candidates after Close: %d, %v; want 2", n, err)
+	}
+}
+
+func TestWorkEnds(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	other := bmdbtest.Session(t, db, "other", time.Minute)
+	bmdbtest.AddMachine(t, db, s, "p")
+	cands := bmdb.AgentStartCandidates("p")
+	claim := func() *bmdb.Work {
+		t.Helper()
+		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	held := func() bool {
+		t.Helper()
+		_, err := other.Work(t.Context(), bmdb.ProcessAgentStart, cands)
+		if err != nil && !errors.Is(err, bmdb.ErrNothingToDo) {
+			t.Fatal(err)
+		}
+		return err != nil
+	}
+
+	t.Run("cancel with a cancelled context releases the lock", func(t *testing.T) {
+		w := claim()
+		ctx, cancel := context.WithCancel(t.Context())
+		cancel()
+		if err := w.Cancel(ctx); err != nil {
+			t.Fatalf("Cancel: %v", err)
+		}
+		if held() {
+			t.Fatal("machine still locked after Cancel")
+		}
+	})
+	// The other session holds it now; give it back.
+	db.Exec(t, "DELETE FROM work")
+
+	t.Run("a failing Finish keeps the lock and changes nothing", func(t *testing.T) {
+		w := claim()
+		boom := errors.New("provider said no")
+		err := w.Finish(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+			if err := tx.SetAgentStarted(ctx, w.MachineID, make([]byte, 32)); err != nil {
+				return err
+			}
+			return boom
+		})
+		if !errors.Is(err, boom) {
+			t.Fatalf("Finish: %v, want the function's error", err)
+		}
+		if !held() {
+			t.Fatal("machine free after a failed Finish")
+		}
+		if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_started"); n != 0 {
+			t.Fatalf("the failed Finish left %d AgentStarted rows", n)
+		}
+		if _, err := w.Fail(t.Context(), bmdb.BackoffPolicy{Initial: time.Millisecond}, err.Error()); err != nil {
+			t.Fatalf("Fail after a failed Finish: %v", err)
+		}
+		if err := w.Cancel(t.Context()); !errors.Is(err, bmdb.ErrWorkEnded) {
+			t.Fatalf("Cancel after Fail: %v, want ErrWorkEnded", err)
+		}
+	})
+}
+
+// TestMutualExclusionInDatabase inserts work rows directly: the database, not
+// the claim query, must refuse a second holder.
+func TestMutualExclusionInDatabase(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	insert := func(process string, exclusive bool) error {
+		_, err := db.Pool.Exec(t.Context(), `INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+			VALUES ($1, $2, $3, $4)`, m, process, exclusive, s.ID())
+		return err
+	}
+	if err := insert("AgentStart", true); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		process   string
+		exclusive bool
+	}{
+		{"AgentStart", true},    // the same process twice
+		{"Recovery", true},      // another machine-touching process
+		{"Decommission", true},  // and another
+		{"Recovery", false},     // lying about exclusivity
+		{"NoSuchProcess", true}, // unknown processes
+	} {
+		if err := insert(c.process, c.exclusive); err == nil {
+			t.Errorf("inserting %s (exclusive %v) next to AgentStart succeeded", c.process, c.exclusive)
+		}
+	}
+	if err := insert("ProviderUpdate", false); err != nil {
+		t.Errorf("a process that does not touch the machine was refused: %v", err)
+	}
+}
+
+func TestProcessesMatchDatabase(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	rows, err := db.Pool.Query(t.Context(), "SELECT process, machine_exclusive FROM processes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inDB := map[bmdb.Process]bool{}
+	for rows.Next() {
+		var p string
+		var excl bool
+		if err := rows.Scan(&p, &excl); err != nil {
+			t.Fatal(err)
+		}
+		inDB[bmdb.Process(p)] = excl
+	}
+	if rows.Err() != nil {
+		t.Fatal(rows.Err())
+	}
+	inGo := map[bmdb.Process]bool{}
+	for _, p := range bmdb.Processes() {
+		inGo[p] = p.MachineExclusive()
+	}
+	if fmt.Sprint(inDB) != fmt.Sprint(inGo) {
+		t.Errorf("processes in the database %v, in Go %v", inDB, inGo)
+	}
+	if err := bmdb.Process("Nope").Validate(); err == nil {
+		t.Error("unknown process validated")
+	}
+}
+
+func TestTransactRetriesDeadlocks(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg})
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	a := bmdbtest.AddMachine(t, db, s, "p")
+	b := bmdbtest.AddMachine(t, db, s, "p")
+	db.Exec(t, "ALTER DATABASE "+strings.TrimPrefix(dbName(db.URL), "/")+" SET deadlock_timeout = '100ms'")
+
+	// Two transactions take row locks in opposite orders and wait for each
+	// other in between, the first time only: PostgreSQL aborts one with a
+	// deadlock, and Transact must run it again.
+	var firstA, firstB sync.Once
+	aLocked, bLocked := make(chan struct{}), make(chan struct{})
+	var runs [2]int
+	tx := func(i int, first, second uuid.UUID, once *sync.Once, mine, theirs chan struct{}) error {
+		return s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+			runs[i]++
+			if err := tx.SetAgentStarted(ctx, first, make([]byte, 32)); err != nil {
+				return err
+			}
+			once.Do(func() {
+				close(mine)
+				<-theirs
+			})
+			return tx.SetAgentStarted(ctx, second, make([]byte, 32))
+		})
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- tx(0, a, b, &firstA, aLocked, bLocked) }()
+	go func() { errs <- tx(1, b, a, &firstB, bLocked, aLocked) }()
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Fatalf("Transact: %v", err)
+		}
+	}
+	if runs[0]+runs[1] != 3 {
+		t.Errorf("transaction bodies ran %d times, want 3 (one deadlock victim retried)", runs[0]+runs[1])
+	}
+	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_transaction_retries_total")); got != 1 {
+		t.Errorf("transaction_retries_total = %v, want 1", got)
+	}
+}
+
+func dbName(url string) string {
+	u := url[strings.LastIndex(url, "/"):]
+	if i := strings.IndexByte(u, '?'); i >= 0 {
+		u = u[:i]
+	}
+	return u
+}
+
+// TestTransactReportsCommitErrors makes COMMIT itself fail (a deferred
+// constraint trigger) and checks that Transact says so and nothing stays.
+func TestTransactReportsCommitErrors(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	db.Exec(t, `CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'refused at commit'; END $$`)
+	db.Exec(t, `CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON machine_agent_started
+		DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse()`)
+	ran := false
+	err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		ran = true
+		return tx.SetAgentStarted(ctx, m, make([]byte, 32))
+	})
+	if !ran || err == nil || !strings.Contains(err.Error(), "refused at commit") {
+		t.Fatalf("Transact: %v, want the COMMIT's error", err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_started"); n != 0 {
+		t.Fatalf("%d rows survived a failed COMMIT", n)
+	}
+}
+
+func TestKeepSessionReplacesLostSessions(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	ids := make(chan uuid.UUID, 10)
+	done := make(chan error, 1)
+	go func() {
+		done <- db.KeepSession(ctx, bmdb.SessionConfig{Component: "keeper", Lease: 600 * time.Millisecond},
+			func(ctx context.Context, s *bmdb.Session) error {
+				ids <- s.ID()
+				<-ctx.Done()
+				return nil
+			})
+	}()
+	first := <-ids
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", first)
+	var second uuid.UUID
+	select {
+	case second = <-ids:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no new session after the first was lost")
+	}
+	if second == first {
+		t.Fatal("KeepSession reused the lost session")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("KeepSession: %v", err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE closed_at IS NULL"); n != 0 {
+		t.Errorf("%d sessions left open", n)
+	}
+}
+
+// Crash test: a separate process claims two machines and is killed with
+// SIGKILL, so it never renews its lease or closes its session.
+
+const crashHelperEnv = "SHEPHERD_BMDB_CRASH_HELPER_URL"
+
+// TestCrashHelper is the process that crashes. It only does anything when
+// started by TestCrashedSessionReleasesWork.
+func TestCrashHelper(t *testing.T) {
+	url := os.Getenv(crashHelperEnv)
+	if url == "" {
+		return
+	}
+	ctx := context.Background()
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, SkipMigrations: true})
+	if err != nil {
+		fmt.Println("ERROR", err)
+		os.Exit(1)
+	}
+	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "doomed", Lease: 1500 * time.Millisecond})
+	if err != nil {
+		fmt.Println("ERROR", err)
+		os.Exit(1)
+	}
+	for range 2 {
+		if _, err := s.Work(ctx, bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); err != nil {
+			fmt.Println("ERROR", err)
+			os.Exit(1)
+		}
+	}
+	fmt.Println("CLAIMED", s.ID())
+	select {} // renewing, until killed
+}
+
+func TestCrashedSessionReleasesWork(t *testing.T) {
+	t.Parallel()
+	const lease = 1500 * time.Millisecond
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "survivor", time.Minute)
+	m1 := bmdbtest.AddMachine(t, db, s, "p")
+	m2 := bmdbtest.AddMachine(t, db, s, "p")
+
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashHelper$")
+	cmd.Env = append(os.Environ(), crashHelperEnv+"="+db.URL)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if f := strings.Fields(sc.Text()); len(f) > 0 && (f[0] == "CLAIMED" || f[0] == "ERROR") {
+				line <- sc.Text()
+				return
+			}
+		}
+		line <- "EOF"
+	}()
+	var deadID uuid.UUID
+	select {
+	case l := <-line:
+		f := strings.Fields(l)
+		if f[0] != "CLAIMED" {
+			t.Fatalf("crash helper: %s", l)
+		}
+		deadID = uuid.MustParse(f[1])
+	case <-time.After(30 * time.Second):
+		t.Fatal("crash helper did not claim its machines")
+	}
+	// While the helper lives, its locks hold.
+	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); !errors.Is(err, bmdb.ErrNothingToDo) {
+		t.Fatalf("Work while the holder lives: %v, want ErrNothingToDo", err)
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed := time.Now()
+	var w *bmdb.Work
+	bmdbtest.WaitFor(t, 10*lease, "a machine of the crashed session is claimed", func(ctx context.Context) (bool, error) {
+		var err error
+		w, err = s.Work(ctx, bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+		return err == nil, err
+	})
+	took := time.Since(killed)
+	// SPEC §2.3: claimable no later than one lease plus one renewal period
+	// after the crash (plus our polling interval and a little scheduling).
+	if limit := lease + lease/3 + 250*time.Millisecond; took > limit {
+		t.Errorf("machine claimable %s after the crash, want at most %s", took, limit)
+	}
+	t.Logf("machine claimable %s after the crash (lease %s)", took.Round(time.Millisecond), lease)
+	// The claim expired the dead session's work on the machine it took; the
+	// janitor's ExpireWork takes care of the other.
+	if n, err := db.ExpireWork(t.Context()); err != nil || n != 1 {
+		t.Fatalf("ExpireWork() = %d, %v; want 1", n, err)
+	}
+	for _, m := range []uuid.UUID{m1, m2} {
+		h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m, Process: bmdb.ProcessAgentStart})
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, e := range h {
+			if e.Event == bmdb.EventExpired && e.SessionID != nil && *e.SessionID == deadID {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("machine %s: no Expired history row naming the dead session %s: %+v", m, deadID, h)
+		}
+	}
+	if err := w.Finish(t.Context(), nil); err != nil {
+		t.Fatal(err)
+	}
+}

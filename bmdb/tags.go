@@ -1,0 +1,200 @@
+package bmdb
+
+import (
+	"context"
+	"crypto/ed25519"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// ProviderStatus is what the provider last said about a machine.
+type ProviderStatus string
+
+// Provider statuses (SPEC §2.2).
+const (
+	ProviderStatusMissing                     ProviderStatus = "Missing"
+	ProviderStatusProvisioning                ProviderStatus = "Provisioning"
+	ProviderStatusProvisioningFailedPermanent ProviderStatus = "ProvisioningFailedPermanent"
+	ProviderStatusRunning                     ProviderStatus = "Running"
+	ProviderStatusStopped                     ProviderStatus = "Stopped"
+	ProviderStatusUnknown                     ProviderStatus = "Unknown"
+)
+
+// Provided is the Provided tag: which provider machine backs a BMDB machine.
+type Provided struct {
+	Provider      string         // provider name; required
+	ProviderID    string         // opaque id at the provider, 1–128 bytes; unique per provider
+	ReservationID string         // provider reservation, if any
+	Address       netip.Addr     // main IP address; the zero Addr if unknown
+	Location      string         // provider location (facility, metro, rack)
+	Status        ProviderStatus // default ProviderStatusUnknown
+	StatusAt      time.Time      // when the provider last confirmed this; read-only
+}
+
+// Validate reports the first problem with the tag. It changes nothing.
+func (p Provided) Validate() error {
+	if p.Provider == "" {
+		return errors.New("bmdb: Provided.Provider is required")
+	}
+	if n := len(p.ProviderID); n < 1 || n > 128 {
+		return fmt.Errorf("bmdb: Provided.ProviderID must be 1-128 bytes, got %d", n)
+	}
+	switch p.Status {
+	case "", ProviderStatusMissing, ProviderStatusProvisioning, ProviderStatusProvisioningFailedPermanent,
+		ProviderStatusRunning, ProviderStatusStopped, ProviderStatusUnknown:
+	default:
+		return fmt.Errorf("bmdb: Provided.Status %q is not a provider status", string(p.Status))
+	}
+	return nil
+}
+
+// AddMachine creates a machine with its Provided tag and returns its id.
+func (t *Tx) AddMachine(ctx context.Context, p Provided) (uuid.UUID, error) {
+	if err := p.Validate(); err != nil {
+		return uuid.Nil, err
+	}
+	status := p.Status
+	if status == "" {
+		status = ProviderStatusUnknown
+	}
+	var addr *netip.Addr
+	if p.Address.IsValid() {
+		addr = &p.Address
+	}
+	id, err := t.q.MachineAdd(ctx, model.MachineAddParams{
+		Provider:              p.Provider,
+		ProviderID:            p.ProviderID,
+		ProviderReservationID: p.ReservationID,
+		ProviderIPAddress:     addr,
+		ProviderLocation:      p.Location,
+		ProviderStatus:        string(status),
+	})
+	if err != nil {
+		return uuid.Nil, fmt.Errorf("bmdb: adding machine %s/%s: %w", p.Provider, p.ProviderID, err)
+	}
+	return id, nil
+}
+
+// SetAgentStarted records that the agent was started now and answered with key.
+func (t *Tx) SetAgentStarted(ctx context.Context, machine uuid.UUID, key ed25519.PublicKey) error {
+	if len(key) != ed25519.PublicKeySize {
+		return fmt.Errorf("bmdb: agent key of machine %s is %d bytes, want %d", machine, len(key), ed25519.PublicKeySize)
+	}
+	if err := t.q.AgentStartedSet(ctx, model.AgentStartedSetParams{MachineID: machine, AgentPublicKey: key}); err != nil {
+		return fmt.Errorf("bmdb: setting AgentStarted on machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// ClearAgent removes AgentStarted and AgentHeartbeat, which makes the machine
+// an agent-start candidate again; recovery does this after a reboot.
+func (t *Tx) ClearAgent(ctx context.Context, machine uuid.UUID) error {
+	if err := t.q.AgentClear(ctx, machine); err != nil {
+		return fmt.Errorf("bmdb: clearing agent tags of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// RecordHeartbeat records a heartbeat of the machine's agent at database time.
+func (t *Tx) RecordHeartbeat(ctx context.Context, machine uuid.UUID) error {
+	if err := t.q.AgentHeartbeatSet(ctx, machine); err != nil {
+		return fmt.Errorf("bmdb: recording heartbeat of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// RequestInstallation stores an OS installation request (protobuf bytes)
+// under the machine's next generation, which it returns.
+func (t *Tx) RequestInstallation(ctx context.Context, machine uuid.UUID, request []byte) (int64, error) {
+	gen, err := t.q.InstallationRequestSet(ctx, model.InstallationRequestSetParams{MachineID: machine, RequestRaw: request})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: requesting installation on machine %s: %w", machine, err)
+	}
+	return gen, nil
+}
+
+// InstallationReport is the agent's report on one installation generation.
+type InstallationReport struct {
+	Generation int64
+	Success    bool
+	Error      string // the agent's error message unless Success
+	Raw        []byte // the report as the agent sent it (protobuf)
+}
+
+// ReportInstallation stores the agent's installation report.
+func (t *Tx) ReportInstallation(ctx context.Context, machine uuid.UUID, r InstallationReport) error {
+	if r.Generation <= 0 {
+		return fmt.Errorf("bmdb: installation report of machine %s: generation must be > 0, got %d", machine, r.Generation)
+	}
+	err := t.q.InstallationReportSet(ctx, model.InstallationReportSetParams{
+		MachineID: machine, Generation: r.Generation, Success: r.Success, ErrorMessage: r.Error, ReportRaw: r.Raw,
+	})
+	if err != nil {
+		return fmt.Errorf("bmdb: storing installation report of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// RequestDecommission records that an operator (by) asked for the machine to
+// leave the fleet, and why. Asking again changes nothing.
+func (t *Tx) RequestDecommission(ctx context.Context, machine uuid.UUID, by, reason string) error {
+	err := t.q.DecommissionRequestSet(ctx, model.DecommissionRequestSetParams{MachineID: machine, RequestedBy: by, Reason: reason})
+	if err != nil {
+		return fmt.Errorf("bmdb: requesting decommission of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// AgentPhase is where a machine stands with its agent, derived from its tags
+// in the database (machine_agent_phase); candidate queries read it.
+type AgentPhase string
+
+// Agent phases.
+const (
+	AgentPhaseAwaitingAgent          AgentPhase = "AwaitingAgent"
+	AgentPhaseAwaitingFirstHeartbeat AgentPhase = "AwaitingFirstHeartbeat"
+	AgentPhaseHeartbeating           AgentPhase = "Heartbeating"
+	AgentPhaseInstalled              AgentPhase = "Installed"
+)
+
+// ProvidedMachine is a machine's Provided tag and its derived agent phase.
+type ProvidedMachine struct {
+	MachineID uuid.UUID
+	Provided
+	AgentPhase AgentPhase
+}
+
+// GetProvided returns the Provided tag of a machine, or ErrNotFound.
+func (db *DB) GetProvided(ctx context.Context, machine uuid.UUID) (ProvidedMachine, error) {
+	r, err := db.q.MachineProvidedGet(ctx, machine)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ProvidedMachine{}, ErrNotFound
+	} else if err != nil {
+		return ProvidedMachine{}, fmt.Errorf("bmdb: reading machine %s: %w", machine, err)
+	}
+	pm := ProvidedMachine{
+		MachineID: r.MachineID,
+		Provided: Provided{
+			Provider:      r.Provider,
+			ProviderID:    r.ProviderID,
+			ReservationID: r.ProviderReservationID,
+			Location:      r.ProviderLocation,
+			Status:        ProviderStatus(r.ProviderStatus),
+		},
+		AgentPhase: AgentPhase(r.AgentPhase),
+	}
+	if r.ProviderIPAddress != nil {
+		pm.Address = *r.ProviderIPAddress
+	}
+	if r.ProviderStatusAt != nil {
+		pm.StatusAt = *r.ProviderStatusAt
+	}
+	return pm, nil
+}

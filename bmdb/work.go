@@ -1,0 +1,351 @@
+package bmdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// claimAttempts bounds how often Work retries after losing a race for a
+// candidate before it reports ErrWorkConflict.
+const claimAttempts = 3
+
+// Work is one claimed (machine, process) pair. Exactly one of Finish, Fail or
+// Cancel ends it; until then no other worker of a conflicting process can
+// claim the machine.
+type Work struct {
+	// MachineID is the claimed machine.
+	MachineID uuid.UUID
+	// Process is what the machine was claimed for.
+	Process Process
+
+	s     *Session
+	mu    sync.Mutex
+	ended bool
+}
+
+// Work claims the first free machine of candidates for process (the one
+// that has waited longest), writing history Started. Work of dead sessions on
+// the chosen machine is expired on the way (history Expired). It returns
+// ErrNothingToDo if no candidate is free, ErrSessionExpired if the session is
+// dead, and ErrWorkConflict if it kept losing races for candidates.
+//
+// A claim is one transaction of two statements: the first picks a candidate
+// and locks it (skipping candidates other claimers hold); the second, whose
+// snapshot is taken after the lock, checks that the machine is still a free
+// candidate and claims it. Checking in the first statement alone would trust
+// a snapshot taken before the lock, when a faster worker may since have
+// claimed and finished the same machine.
+func (s *Session) Work(ctx context.Context, process Process, candidates Candidates) (*Work, error) {
+	if err := process.Validate(); err != nil {
+		return nil, err
+	}
+	if s.ctx.Err() != nil {
+		return nil, ErrSessionExpired
+	}
+	m := s.db.metrics
+	for range claimAttempts {
+		var locked uuid.UUID
+		var res claimResult
+		err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+			locked, res = uuid.Nil, claimResult{}
+			var err error
+			locked, err = candidates.lock(ctx, q, process, int32(s.cfg.ScanLimit), s.cfg.ClaimStrategy)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			} else if err != nil {
+				return err
+			}
+			res, err = candidates.claim(ctx, q, process, s.id, locked)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			}
+			return err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("bmdb: claiming %s for %s: %w", candidates, process, err)
+		}
+		if locked == uuid.Nil {
+			// No candidate: either there is none, or none is free to us
+			// because our session is dead.
+			alive, err := s.db.q.SessionAlive(ctx, s.id)
+			if err != nil {
+				return nil, fmt.Errorf("bmdb: checking session %s: %w", s.id, err)
+			}
+			if !alive {
+				return nil, ErrSessionExpired
+			}
+			return nil, ErrNothingToDo
+		}
+		if res.ClaimedID == uuid.Nil {
+			// The locked machine stopped being a free candidate (or our
+			// session died) between the two statements.
+			m.workConflicts.WithLabelValues(string(process)).Inc()
+			continue
+		}
+		if res.ExpiredCount > 0 {
+			m.workExpired.WithLabelValues(string(process)).Add(float64(res.ExpiredCount))
+			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.ClaimedID.String(), "process", process)
+		}
+		m.workStarted.WithLabelValues(string(process)).Inc()
+		return &Work{MachineID: res.ClaimedID, Process: process, s: s}, nil
+	}
+	if s.ctx.Err() != nil {
+		return nil, ErrSessionExpired
+	}
+	return nil, ErrWorkConflict
+}
+
+// begin marks the work as ending, or fails if it already ended.
+func (w *Work) begin() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.ended {
+		return ErrWorkEnded
+	}
+	w.ended = true
+	return nil
+}
+
+// settle records how an end attempt went: on a database error other than the
+// lock being gone, the work is still held and may be ended again.
+func (w *Work) settle(err error, result string) error {
+	if err != nil && !errors.Is(err, ErrSessionExpired) {
+		w.mu.Lock()
+		w.ended = false
+		w.mu.Unlock()
+		return err
+	}
+	if errors.Is(err, ErrSessionExpired) {
+		result = resultLost
+	}
+	w.s.db.metrics.workEnded.WithLabelValues(string(w.Process), result).Inc()
+	return err
+}
+
+func (w *Work) logger() *slog.Logger {
+	return w.s.log.With("machine_id", w.MachineID.String(), "process", string(w.Process))
+}
+
+// Finish ends the work successfully: in one transaction it releases the lock,
+// clears the backoff of (machine, process), writes history Finished and
+// applies fn's tag changes (fn may be nil). If fn or the database fails, the
+// work is still held and the caller must Fail or Cancel it. ErrSessionExpired
+// means the lock was already gone and nothing was changed.
+func (w *Work) Finish(ctx context.Context, fn func(ctx context.Context, tx *Tx) error) error {
+	if err := w.begin(); err != nil {
+		return err
+	}
+	params := model.WorkFinishParams{MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id}
+	release := func(ctx context.Context, q *model.Queries) error {
+		if _, err := q.WorkFinish(ctx, params); errors.Is(err, pgx.ErrNoRows) {
+			return ErrSessionExpired
+		} else if err != nil {
+			return fmt.Errorf("bmdb: finishing %s on machine %s: %w", w.Process, w.MachineID, err)
+		}
+		return nil
+	}
+	var err error
+	if fn == nil {
+		// One statement is its own transaction: no BEGIN/COMMIT round trips.
+		err = w.s.db.retry(ctx, func(ctx context.Context) error { return release(ctx, w.s.db.q) })
+	} else {
+		err = w.s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+			if err := release(ctx, q); err != nil {
+				return err
+			}
+			if err := fn(ctx, &Tx{q: q}); err != nil {
+				return fnError{fmt.Errorf("bmdb: finishing %s on machine %s: %w", w.Process, w.MachineID, err)}
+			}
+			return nil
+		})
+	}
+	return w.settle(err, resultFinished)
+}
+
+// Fail ends the work as failed: in one transaction it releases the lock,
+// writes history Failed with cause, and backs the machine off for this process
+// according to policy, quarantining it (history Quarantined) once it has
+// failed policy.MaxAttempts times in a row. It returns the new backoff.
+func (w *Work) Fail(ctx context.Context, policy BackoffPolicy, cause string) (Backoff, error) {
+	if err := policy.Validate(); err != nil {
+		return Backoff{}, err
+	}
+	if err := w.begin(); err != nil {
+		return Backoff{}, err
+	}
+	var b Backoff
+	u := rand.Float64()
+	err := w.s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+		_, err := q.WorkRelease(ctx, model.WorkReleaseParams{
+			MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id,
+			Event: string(EventFailed), Cause: cause,
+		})
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrSessionExpired
+		} else if err != nil {
+			return fmt.Errorf("bmdb: failing %s on machine %s: %w", w.Process, w.MachineID, err)
+		}
+		b, err = recordFailure(ctx, q, w.MachineID, w.Process, w.s.id, policy, cause, u)
+		return err
+	})
+	if err = w.settle(err, resultFailed); err != nil {
+		return Backoff{}, err
+	}
+	if b.Quarantined {
+		w.s.db.metrics.workQuarantined.WithLabelValues(string(w.Process)).Inc()
+		w.logger().WarnContext(ctx, "machine quarantined", "attempts", b.Attempts, "cause", cause)
+	}
+	return b, nil
+}
+
+// recordFailure grows the backoff of (machine, process) by one failure.
+func recordFailure(ctx context.Context, q *model.Queries, machine uuid.UUID, p Process, session uuid.UUID,
+	policy BackoffPolicy, cause string, u float64) (Backoff, error) {
+	var last time.Duration
+	attempts := 0
+	wasQuarantined := false
+	prev, err := q.BackoffGetForUpdate(ctx, model.BackoffGetForUpdateParams{MachineID: machine, Process: string(p)})
+	switch {
+	case err == nil:
+		last = time.Duration(prev.LastIntervalMs) * time.Millisecond
+		attempts = int(prev.Attempts)
+		wasQuarantined = prev.QuarantinedAt != nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return Backoff{}, fmt.Errorf("bmdb: reading backoff of machine %s for %s: %w", machine, p, err)
+	}
+	interval := policy.Next(last)
+	attempts++
+	quarantine := policy.quarantines(attempts)
+	row, err := q.BackoffUpsert(ctx, model.BackoffUpsertParams{
+		MachineID:      machine,
+		Process:        string(p),
+		DelayMs:        policy.jittered(interval, u).Milliseconds(),
+		Cause:          cause,
+		LastIntervalMs: interval.Milliseconds(),
+		Attempts:       int32(min(attempts, 1<<30)),
+		Quarantine:     quarantine,
+	})
+	if err != nil {
+		return Backoff{}, fmt.Errorf("bmdb: backing off machine %s for %s: %w", machine, p, err)
+	}
+	b := Backoff{Interval: interval, Until: row.BackoffUntil, Attempts: attempts, Quarantined: row.QuarantinedAt != nil, Cause: cause}
+	if b.Quarantined && !wasQuarantined {
+		err := q.HistoryAppend(ctx, model.HistoryAppendParams{
+			MachineID: machine,
+			Process:   string(p),
+			Event:     string(EventQuarantined),
+			SessionID: uuid.NullUUID{UUID: session, Valid: true},
+			Cause:     fmt.Sprintf("%d failures in a row; last: %s", attempts, cause),
+		})
+		if err != nil {
+			return Backoff{}, fmt.Errorf("bmdb: recording quarantine of machine %s for %s: %w", machine, p, err)
+		}
+	}
+	return b, nil
+}
+
+// Cancel ends the work without judging it: it releases the lock and writes
+// history Canceled; the backoff is untouched. It works even when ctx is
+// already cancelled (typically during shutdown), using a fresh context with a
+// timeout instead.
+func (w *Work) Cancel(ctx context.Context) error {
+	if err := w.begin(); err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	err := w.s.db.retry(cctx, func(ctx context.Context) error {
+		_, err := w.s.db.q.WorkRelease(ctx, model.WorkReleaseParams{
+			MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id,
+			Event: string(EventCanceled), Cause: "canceled",
+		})
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrSessionExpired
+		} else if err != nil {
+			return fmt.Errorf("bmdb: canceling %s on machine %s: %w", w.Process, w.MachineID, err)
+		}
+		return nil
+	})
+	return w.settle(err, resultCanceled)
+}
+
+// GetBackoff returns the backoff of (machine, process), or ErrNotFound if the
+// process has no failures recorded for the machine.
+func (db *DB) GetBackoff(ctx context.Context, machine uuid.UUID, process Process) (Backoff, error) {
+	row, err := db.q.BackoffGet(ctx, model.BackoffGetParams{MachineID: machine, Process: string(process)})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Backoff{}, ErrNotFound
+	} else if err != nil {
+		return Backoff{}, fmt.Errorf("bmdb: reading backoff of machine %s for %s: %w", machine, process, err)
+	}
+	return Backoff{
+		Interval:    time.Duration(row.LastIntervalMs) * time.Millisecond,
+		Until:       row.BackoffUntil,
+		Attempts:    int(row.Attempts),
+		Quarantined: row.QuarantinedAt != nil,
+		Cause:       row.Cause,
+	}, nil
+}
+
+// ResetBackoff clears the backoff and any quarantine of (machine, process)
+// and writes history Reset with cause (who asked, and why), so the machine is
+// a candidate again. It returns ErrNotFound if there was nothing to reset.
+func (db *DB) ResetBackoff(ctx context.Context, machine uuid.UUID, process Process, cause string) error {
+	if err := process.Validate(); err != nil {
+		return err
+	}
+	err := db.retry(ctx, func(ctx context.Context) error {
+		_, err := db.q.BackoffReset(ctx, model.BackoffResetParams{MachineID: machine, Process: string(process), Cause: cause})
+		return err
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ErrNotFound
+	} else if err != nil {
+		return fmt.Errorf("bmdb: resetting backoff of machine %s for %s: %w", machine, process, err)
+	}
+	return nil
+}
+
+// ExpireWork removes the work of every dead session and writes history
+// Expired naming each one; it returns how many work items it expired. The
+// janitor calls it; claims also expire dead work on the machines they take.
+func (db *DB) ExpireWork(ctx context.Context) (int, error) {
+	var rows []model.WorkExpireRow
+	err := db.retry(ctx, func(ctx context.Context) error {
+		var err error
+		rows, err = db.q.WorkExpire(ctx)
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: expiring work of dead sessions: %w", err)
+	}
+	for _, r := range rows {
+		db.metrics.workExpired.WithLabelValues(r.Process).Inc()
+		db.log.InfoContext(ctx, "expired work of a dead session", "machine_id", r.MachineID.String(),
+			"process", r.Process, "dead_session_id", r.SessionID.UUID.String())
+	}
+	return len(rows), nil
+}
+
+// DeleteSessions deletes sessions that ended more than retention ago and
+// hold no work, and returns how many it deleted. History keeps their ids.
+func (db *DB) DeleteSessions(ctx context.Context, retention time.Duration) (int64, error) {
+	if retention < 0 {
+		return 0, fmt.Errorf("bmdb: session retention must be >= 0, got %s", retention)
+	}
+	n, err := db.q.SessionsDelete(ctx, retention.Milliseconds())
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: deleting old sessions: %w", err)
+	}
+	return n, nil
+}
