@@ -33,8 +33,14 @@ type Candidates interface {
 
 	list(ctx context.Context, q *model.Queries, p Process, limit int32) ([]uuid.UUID, error)
 	count(ctx context.Context, q *model.Queries, p Process) (int64, error)
-	lock(ctx context.Context, q *model.Queries, p Process, scan int32, strategy ClaimStrategy) (uuid.UUID, error)
-	claim(ctx context.Context, q *model.Queries, p Process, session, machine uuid.UUID) (claimResult, error)
+	claim(ctx context.Context, q *model.Queries, c claimParams) (claimResult, error)
+}
+
+type claimParams struct {
+	process  Process
+	session  uuid.UUID
+	scan     int32
+	strategy ClaimStrategy
 }
 
 // claimResult is what every generated claim query returns; the generated row
@@ -63,18 +69,15 @@ func (c agentStartCandidates) count(ctx context.Context, q *model.Queries, p Pro
 		Provider: c.provider, Process: string(p), Exclusive: p.MachineExclusive()})
 }
 
-func (c agentStartCandidates) lock(ctx context.Context, q *model.Queries, p Process, scan int32, strategy ClaimStrategy) (uuid.UUID, error) {
-	if strategy == ClaimPlainLimit {
-		return q.LockAgentStartCandidatePlain(ctx, model.LockAgentStartCandidatePlainParams{
-			Provider: c.provider, Process: string(p), Exclusive: p.MachineExclusive()})
+func (c agentStartCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
+	if a.strategy == ClaimPlainLimit {
+		r, err := q.ClaimAgentStartCandidatePlain(ctx, model.ClaimAgentStartCandidatePlainParams{
+			Provider: c.provider, Process: string(a.process), Exclusive: a.process.MachineExclusive(), SessionID: a.session})
+		return claimResult(r), err
 	}
-	return q.LockAgentStartCandidate(ctx, model.LockAgentStartCandidateParams{
-		Provider: c.provider, Process: string(p), Exclusive: p.MachineExclusive(), ScanLimit: scan})
-}
-
-func (c agentStartCandidates) claim(ctx context.Context, q *model.Queries, p Process, session, machine uuid.UUID) (claimResult, error) {
 	r, err := q.ClaimAgentStartCandidate(ctx, model.ClaimAgentStartCandidateParams{
-		Provider: c.provider, MachineID: machine, Process: string(p), Exclusive: p.MachineExclusive(), SessionID: session})
+		Provider: c.provider, Process: string(a.process), Exclusive: a.process.MachineExclusive(),
+		ScanLimit: a.scan, SessionID: a.session})
 	return claimResult(r), err
 }
 
@@ -121,35 +124,26 @@ func (c recoveryCandidates) count(ctx context.Context, q *model.Queries, p Proce
 	})
 }
 
-func (c recoveryCandidates) lock(ctx context.Context, q *model.Queries, p Process, scan int32, strategy ClaimStrategy) (uuid.UUID, error) {
-	if strategy == ClaimPlainLimit {
-		return q.LockRecoveryCandidatePlain(ctx, model.LockRecoveryCandidatePlainParams{
+func (c recoveryCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
+	if a.strategy == ClaimPlainLimit {
+		r, err := q.ClaimRecoveryCandidatePlain(ctx, model.ClaimRecoveryCandidatePlainParams{
 			Provider:                c.provider,
 			FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
 			HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
-			Process:                 string(p),
-			Exclusive:               p.MachineExclusive(),
+			Process:                 string(a.process),
+			Exclusive:               a.process.MachineExclusive(),
+			SessionID:               a.session,
 		})
+		return claimResult(r), err
 	}
-	return q.LockRecoveryCandidate(ctx, model.LockRecoveryCandidateParams{
-		Provider:                c.provider,
-		FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
-		HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
-		Process:                 string(p),
-		Exclusive:               p.MachineExclusive(),
-		ScanLimit:               scan,
-	})
-}
-
-func (c recoveryCandidates) claim(ctx context.Context, q *model.Queries, p Process, session, machine uuid.UUID) (claimResult, error) {
 	r, err := q.ClaimRecoveryCandidate(ctx, model.ClaimRecoveryCandidateParams{
 		Provider:                c.provider,
 		FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
 		HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
-		MachineID:               machine,
-		Process:                 string(p),
-		Exclusive:               p.MachineExclusive(),
-		SessionID:               session,
+		Process:                 string(a.process),
+		Exclusive:               a.process.MachineExclusive(),
+		ScanLimit:               a.scan,
+		SessionID:               a.session,
 	})
 	return claimResult(r), err
 }
@@ -185,12 +179,12 @@ func (db *DB) CountCandidates(ctx context.Context, process Process, c Candidates
 // QueryPlan is PostgreSQL's plan for one of the statements behind a
 // candidate query.
 type QueryPlan struct {
-	Statement string // "list", "count", "lock" or "claim" (the two steps of a claim)
+	Statement string // "list", "count" or "claim"
 	Plan      string // EXPLAIN output, one line per plan node
 }
 
 // ExplainCandidates returns the plans PostgreSQL chooses right now for the
-// list, count, lock and claim statements of c, without running them. Operators use
+// list, count and claim statements of c, without running them. Operators use
 // it to check that a candidate query reads only its partial indexes.
 func (db *DB) ExplainCandidates(ctx context.Context, process Process, c Candidates) ([]QueryPlan, error) {
 	if err := process.Validate(); err != nil {
@@ -202,8 +196,10 @@ func (db *DB) ExplainCandidates(ctx context.Context, process Process, c Candidat
 	}{
 		{"list", func(q *model.Queries) error { _, err := c.list(ctx, q, process, 1); return err }},
 		{"count", func(q *model.Queries) error { _, err := c.count(ctx, q, process); return err }},
-		{"lock", func(q *model.Queries) error { _, err := c.lock(ctx, q, process, 64, ClaimSkipLocked); return err }},
-		{"claim", func(q *model.Queries) error { _, err := c.claim(ctx, q, process, uuid.Nil, uuid.Nil); return err }},
+		{"claim", func(q *model.Queries) error {
+			_, err := c.claim(ctx, q, claimParams{process: process, scan: 64})
+			return err
+		}},
 	}
 	var plans []QueryPlan
 	for _, st := range stmts {

@@ -21,19 +21,35 @@ type Config struct {
 	// MaxConns bounds the connection pool; default 8 + 4 per CPU, which leaves
 	// room for a few dozen workers without queueing on the pool.
 	MaxConns int32
-	// SkipMigrations leaves the schema alone on Open; Open then fails if the
-	// database is older than this binary. Default: migrate on Open.
-	SkipMigrations bool
+	// Schema says what Open does about the schema; default SchemaMigrate.
+	Schema SchemaPolicy
 	// Registerer receives the BMDB client metrics; nil keeps them private.
 	Registerer prometheus.Registerer
 	// Logger receives session and retry events; nil discards them.
 	Logger *slog.Logger
 }
 
+// SchemaPolicy says what Open does about the database schema.
+type SchemaPolicy int
+
+const (
+	// SchemaMigrate applies the embedded migrations the database lacks.
+	SchemaMigrate SchemaPolicy = iota
+	// SchemaRequireCurrent changes nothing and fails unless the database has
+	// every migration this binary knows, for processes that must not change
+	// the schema of a shared database.
+	SchemaRequireCurrent
+	// SchemaIgnore neither migrates nor checks; `shepherd migrate` uses it.
+	SchemaIgnore
+)
+
 // Validate reports the first problem with the configuration. It changes nothing.
 func (c Config) Validate() error {
 	if c.URL == "" {
 		return errors.New("bmdb: Config.URL is required")
+	}
+	if c.Schema < SchemaMigrate || c.Schema > SchemaIgnore {
+		return fmt.Errorf("bmdb: Config.Schema %d is not a schema policy", c.Schema)
 	}
 	if c.MaxConns < 0 {
 		return fmt.Errorf("bmdb: Config.MaxConns must be >= 0 (0 = default), got %d", c.MaxConns)
@@ -52,7 +68,7 @@ type DB struct {
 }
 
 // Open connects to the database, applies the embedded migrations (unless
-// cfg.SkipMigrations) and returns the DB. Migrations are serialised between
+// cfg.Schema says otherwise) and returns the DB. Migrations are serialised between
 // processes, so any number of processes may open the same database at once.
 func Open(ctx context.Context, cfg Config) (*DB, error) {
 	if err := cfg.Validate(); err != nil {
@@ -90,10 +106,13 @@ func (db *DB) open(ctx context.Context, cfg Config, reg prometheus.Registerer) e
 		return fmt.Errorf("bmdb: connecting to %s: %w", redactedTarget(db.pool), err)
 	}
 	var err error
-	if cfg.SkipMigrations {
+	switch cfg.Schema {
+	case SchemaMigrate:
+		db.version, err = db.Migrate(ctx, nil)
+	case SchemaRequireCurrent:
 		db.version, err = db.checkSchema(ctx)
-	} else {
-		db.version, err = db.Migrate(ctx)
+	case SchemaIgnore:
+		db.version, err = db.dbVersion(ctx)
 	}
 	if err != nil {
 		return err

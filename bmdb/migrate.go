@@ -3,6 +3,7 @@ package bmdb
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"time"
@@ -43,17 +44,41 @@ func (db *DB) migrations() (*goose.Provider, func() error, error) {
 	return p, sqlDB.Close, nil
 }
 
-// Migrate applies every embedded migration the database lacks and returns the
-// resulting schema version.
-func (db *DB) Migrate(ctx context.Context) (int64, error) {
+// Migrate applies every embedded migration the database lacks, one at a
+// time, calls progress (if not nil) after each, and returns the resulting
+// schema version.
+func (db *DB) Migrate(ctx context.Context, progress func(MigrationState, time.Duration)) (int64, error) {
 	p, closeDB, err := db.migrations()
 	if err != nil {
 		return 0, err
 	}
 	defer closeDB()
-	if _, err := p.Up(ctx); err != nil {
-		return 0, fmt.Errorf("bmdb: applying migrations: %w", err)
+	for {
+		r, err := p.UpByOne(ctx)
+		if errors.Is(err, goose.ErrNoNextVersion) {
+			break
+		}
+		if err != nil {
+			return 0, fmt.Errorf("bmdb: applying migrations: %w", err)
+		}
+		if progress != nil {
+			progress(MigrationState{Version: r.Source.Version, Name: r.Source.Path, Applied: true, AppliedAt: time.Now()}, r.Duration)
+		}
 	}
+	v, err := p.GetDBVersion(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: reading schema version: %w", err)
+	}
+	return v, nil
+}
+
+// dbVersion returns the database's schema version (0 if it has none).
+func (db *DB) dbVersion(ctx context.Context) (int64, error) {
+	p, closeDB, err := db.migrations()
+	if err != nil {
+		return 0, err
+	}
+	defer closeDB()
 	v, err := p.GetDBVersion(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: reading schema version: %w", err)

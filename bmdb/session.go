@@ -31,10 +31,11 @@ const (
 	// ClaimSkipLocked locks a candidate with FOR UPDATE SKIP LOCKED, so
 	// concurrent workers spread over the candidates. The default.
 	ClaimSkipLocked ClaimStrategy = iota
-	// ClaimPlainLimit takes the first candidate with a plain LIMIT 1, so
-	// concurrent workers pick the same machine and queue on its insert. It is
-	// the baseline `make bench` measures ClaimSkipLocked against; it is just
-	// as correct, only slower under contention.
+	// ClaimPlainLimit takes the first candidate with a plain LIMIT 1 and
+	// waits for its lock, so concurrent workers pick the same machine and
+	// queue on it (and come back empty-handed when it was taken meanwhile).
+	// It is the baseline `make bench` measures ClaimSkipLocked against; it is
+	// just as safe, only much slower under contention.
 	ClaimPlainLimit
 )
 

@@ -430,7 +430,7 @@ func TestCrashHelper(t *testing.T) {
 		return
 	}
 	ctx := context.Background()
-	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, SkipMigrations: true})
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, Schema: bmdb.SchemaRequireCurrent})
 	if err != nil {
 		fmt.Println("ERROR", err)
 		os.Exit(1)

@@ -33,18 +33,12 @@ type Work struct {
 	ended bool
 }
 
-// Work claims the first free machine of candidates for process (the one
-// that has waited longest), writing history Started. Work of dead sessions on
-// the chosen machine is expired on the way (history Expired). It returns
-// ErrNothingToDo if no candidate is free, ErrSessionExpired if the session is
-// dead, and ErrWorkConflict if it kept losing races for candidates.
-//
-// A claim is one transaction of two statements: the first picks a candidate
-// and locks it (skipping candidates other claimers hold); the second, whose
-// snapshot is taken after the lock, checks that the machine is still a free
-// candidate and claims it. Checking in the first statement alone would trust
-// a snapshot taken before the lock, when a faster worker may since have
-// claimed and finished the same machine.
+// Work claims the free candidate for process that has waited longest, in one
+// statement that selects, locks and claims it and writes history Started.
+// Work of dead sessions on the chosen machine is expired on the way (history
+// Expired). It returns ErrNothingToDo if no candidate is free,
+// ErrSessionExpired if the session is dead, and ErrWorkConflict if it kept
+// losing races for candidates.
 func (s *Session) Work(ctx context.Context, process Process, candidates Candidates) (*Work, error) {
 	if err := process.Validate(); err != nil {
 		return nil, err
@@ -53,30 +47,17 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 		return nil, ErrSessionExpired
 	}
 	m := s.db.metrics
+	params := claimParams{process: process, session: s.id, scan: int32(s.cfg.ScanLimit), strategy: s.cfg.ClaimStrategy}
 	for range claimAttempts {
-		var locked uuid.UUID
 		var res claimResult
-		err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
-			locked, res = uuid.Nil, claimResult{}
+		err := s.db.retry(ctx, func(ctx context.Context) error {
 			var err error
-			locked, err = candidates.lock(ctx, q, process, int32(s.cfg.ScanLimit), s.cfg.ClaimStrategy)
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil
-			} else if err != nil {
-				return err
-			}
-			res, err = candidates.claim(ctx, q, process, s.id, locked)
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil
-			}
+			res, err = candidates.claim(ctx, s.db.q, params)
 			return err
 		})
-		if err != nil {
-			return nil, fmt.Errorf("bmdb: claiming %s for %s: %w", candidates, process, err)
-		}
-		if locked == uuid.Nil {
-			// No candidate: either there is none, or none is free to us
-			// because our session is dead.
+		if errors.Is(err, pgx.ErrNoRows) {
+			// No candidate: either there is none, or our session is dead
+			// (the claim only selects candidates for a live session).
 			alive, err := s.db.q.SessionAlive(ctx, s.id)
 			if err != nil {
 				return nil, fmt.Errorf("bmdb: checking session %s: %w", s.id, err)
@@ -86,21 +67,19 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 			}
 			return nil, ErrNothingToDo
 		}
-		if res.ClaimedID == uuid.Nil {
-			// The locked machine stopped being a free candidate (or our
-			// session died) between the two statements.
-			m.workConflicts.WithLabelValues(string(process)).Inc()
-			continue
+		if err != nil {
+			return nil, fmt.Errorf("bmdb: claiming %s for %s: %w", candidates, process, err)
 		}
 		if res.ExpiredCount > 0 {
 			m.workExpired.WithLabelValues(string(process)).Add(float64(res.ExpiredCount))
-			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.ClaimedID.String(), "process", process)
+			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.CandidateID.String(), "process", process)
+		}
+		if !res.ClaimedID.Valid {
+			m.workConflicts.WithLabelValues(string(process)).Inc()
+			continue
 		}
 		m.workStarted.WithLabelValues(string(process)).Inc()
-		return &Work{MachineID: res.ClaimedID, Process: process, s: s}, nil
-	}
-	if s.ctx.Err() != nil {
-		return nil, ErrSessionExpired
+		return &Work{MachineID: res.ClaimedID.UUID, Process: process, s: s}, nil
 	}
 	return nil, ErrWorkConflict
 }

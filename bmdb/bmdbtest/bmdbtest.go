@@ -152,11 +152,24 @@ func (c *cluster) ready(t testing.TB) {
 func NewDatabase(t testing.TB) string {
 	t.Helper()
 	shared.ready(t)
+	return newDatabase(t, shared.tmpl)
+}
+
+// NewEmptyDatabase is NewDatabase without the migrations, for tests of the
+// migrations themselves.
+func NewEmptyDatabase(t testing.TB) string {
+	t.Helper()
+	shared.ready(t)
+	return newDatabase(t, "template0")
+}
+
+func newDatabase(t testing.TB, template string) string {
+	t.Helper()
 	name := fmt.Sprintf("%s_t%d", shared.tmpl, shared.seq.Add(1))
 	ctx := context.Background()
 	shared.create.Lock()
 	_, err := shared.admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
-		pgx.Identifier{name}.Sanitize(), pgx.Identifier{shared.tmpl}.Sanitize()))
+		pgx.Identifier{name}.Sanitize(), pgx.Identifier{template}.Sanitize()))
 	shared.create.Unlock()
 	if err != nil {
 		t.Fatalf("bmdbtest: creating database %s: %v", name, err)

@@ -33,6 +33,11 @@ CREATE TABLE machine_provided (
     -- When agent_phase last changed: candidates are served oldest first, so a
     -- machine that keeps coming back cannot starve one that waits.
     agent_phase_since timestamptz NOT NULL DEFAULT now(),
+    -- Moves on every claim of the machine and every change of agent_phase. A
+    -- claim locks the row only if the revision its snapshot read is still
+    -- current, so a snapshot taken before someone else claimed (or finished)
+    -- the machine can never hand it out again.
+    revision bigint NOT NULL DEFAULT 0,
     UNIQUE (provider, provider_id)
 );
 
@@ -223,7 +228,7 @@ BEGIN
         m := NEW.machine_id;
     END IF;
     phase := machine_agent_phase(m);
-    UPDATE machine_provided SET agent_phase = phase, agent_phase_since = now()
+    UPDATE machine_provided SET agent_phase = phase, agent_phase_since = now(), revision = revision + 1
      WHERE machine_id = m AND agent_phase IS DISTINCT FROM phase;
     UPDATE machine_agent_heartbeat SET watched = (phase = 'Heartbeating')
      WHERE machine_id = m AND watched IS DISTINCT FROM (phase = 'Heartbeating');

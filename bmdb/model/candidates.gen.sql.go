@@ -13,40 +13,56 @@ import (
 
 const claimAgentStartCandidate = `-- name: ClaimAgentStartCandidate :one
 WITH candidate AS (
-    SELECT c.machine_id
+    SELECT p.machine_id
     FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE c.machine_id = $2::uuid
-      AND NOT EXISTS (
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
         SELECT 1
         FROM work w
         JOIN sessions s ON s.session_id = w.session_id
         WHERE w.machine_id = c.machine_id
-          AND (w.process = $3 OR (w.machine_exclusive AND $4::boolean))
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
         SELECT 1
         FROM work_backoff b
         WHERE b.machine_id = c.machine_id
-          AND b.process = $3
+          AND b.process = $2
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-      AND EXISTS (
+        ORDER BY c.since
+        LIMIT $4::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
         SELECT 1 FROM sessions s
         WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
 ),
 expired AS (
     DELETE FROM work w
     USING sessions s, candidate c
     WHERE w.machine_id = c.machine_id
       AND s.session_id = w.session_id
-      AND (w.process = $3 OR (w.machine_exclusive AND $4::boolean))
+      AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
     RETURNING w.machine_id, w.process, w.session_id
 ),
@@ -58,7 +74,7 @@ expired_history AS (
 ),
 claimed AS (
     INSERT INTO work (machine_id, process, machine_exclusive, session_id)
-    SELECT c.machine_id, $3, $4::boolean, $5
+    SELECT c.machine_id, $2, $3::boolean, $5
     FROM candidate c
     WHERE (SELECT count(*) FROM expired_history) >= 0
     ON CONFLICT DO NOTHING
@@ -70,50 +86,165 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT st.machine_id AS claimed_id, x.expired_count
-FROM started st
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
 `
 
 type ClaimAgentStartCandidateParams struct {
 	Provider  string
-	MachineID uuid.UUID
+	Process   string
+	Exclusive bool
+	ScanLimit int32
+	SessionID uuid.UUID
+}
+
+type ClaimAgentStartCandidateRow struct {
+	CandidateID  uuid.UUID
+	ClaimedID    uuid.NullUUID
+	ExpiredCount int64
+}
+
+// ClaimAgentStartCandidate claims the oldest free candidate for the process
+// under the session, in one statement. It locks the machine_provided row of
+// the candidate, skipping rows other claimers hold, so that concurrent
+// workers spread over the candidates instead of queueing on the first; and it
+// locks the row only if its revision is still the one the snapshot read, so a
+// machine someone claimed (and maybe finished) since the snapshot was taken
+// is skipped, not handed out again. It moves the revision, expires work of
+// dead sessions on the machine (history Expired, naming the dead session),
+// inserts the work row and writes history Started. The primary key and
+// work_machine_exclusive keep the work unique even if all that was not
+// enough, and the foreign key to processes checks the exclusive flag the
+// caller passes. No row means nothing to do or a dead session; a row
+// without claimed_id means the insert lost a race.
+func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentStartCandidateParams) (ClaimAgentStartCandidateRow, error) {
+	row := q.db.QueryRow(ctx, claimAgentStartCandidate,
+		arg.Provider,
+		arg.Process,
+		arg.Exclusive,
+		arg.ScanLimit,
+		arg.SessionID,
+	)
+	var i ClaimAgentStartCandidateRow
+	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	return i, err
+}
+
+const claimAgentStartCandidatePlain = `-- name: ClaimAgentStartCandidatePlain :one
+WITH candidate AS (
+    SELECT p.machine_id
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingAgent'
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $2
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+  AND NOT EXISTS (
+        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, $2, $3::boolean, $4
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+`
+
+type ClaimAgentStartCandidatePlainParams struct {
+	Provider  string
 	Process   string
 	Exclusive bool
 	SessionID uuid.UUID
 }
 
-type ClaimAgentStartCandidateRow struct {
-	ClaimedID    uuid.UUID
+type ClaimAgentStartCandidatePlainRow struct {
+	CandidateID  uuid.UUID
+	ClaimedID    uuid.NullUUID
 	ExpiredCount int64
 }
 
-// ClaimAgentStartCandidate is the second step of a claim, in the same
-// transaction as the first: with a snapshot taken after the lock, it checks
-// that the locked machine is still a free candidate (another worker may have
-// claimed and finished it since the first step looked), expires work of dead
-// sessions on it (history Expired, naming the dead session), inserts the
-// work row and writes history Started. The primary key and
-// work_machine_exclusive keep the work unique even if all that was not
-// enough, and the foreign key to processes checks the exclusive flag the
-// caller passes. No row means the machine is no candidate any more.
-func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentStartCandidateParams) (ClaimAgentStartCandidateRow, error) {
-	row := q.db.QueryRow(ctx, claimAgentStartCandidate,
+// ClaimAgentStartCandidatePlain is the baseline the benchmark compares
+// ClaimAgentStartCandidate against: the oldest candidate, locked with a plain
+// FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+func (q *Queries) ClaimAgentStartCandidatePlain(ctx context.Context, arg ClaimAgentStartCandidatePlainParams) (ClaimAgentStartCandidatePlainRow, error) {
+	row := q.db.QueryRow(ctx, claimAgentStartCandidatePlain,
 		arg.Provider,
-		arg.MachineID,
 		arg.Process,
 		arg.Exclusive,
 		arg.SessionID,
 	)
-	var i ClaimAgentStartCandidateRow
-	err := row.Scan(&i.ClaimedID, &i.ExpiredCount)
+	var i ClaimAgentStartCandidatePlainRow
+	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
 	return i, err
 }
 
 const claimRecoveryCandidate = `-- name: ClaimRecoveryCandidate :one
 WITH candidate AS (
-    SELECT c.machine_id
+    SELECT p.machine_id
     FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
@@ -128,34 +259,48 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
-    ) c
-    WHERE c.machine_id = $4::uuid
-      AND NOT EXISTS (
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
         SELECT 1
         FROM work w
         JOIN sessions s ON s.session_id = w.session_id
         WHERE w.machine_id = c.machine_id
-          AND (w.process = $5 OR (w.machine_exclusive AND $6::boolean))
+          AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
         SELECT 1
         FROM work_backoff b
         WHERE b.machine_id = c.machine_id
-          AND b.process = $5
+          AND b.process = $4
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-      AND EXISTS (
+        ORDER BY c.since
+        LIMIT $6::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
         SELECT 1 FROM sessions s
         WHERE s.session_id = $7 AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
 ),
 expired AS (
     DELETE FROM work w
     USING sessions s, candidate c
     WHERE w.machine_id = c.machine_id
       AND s.session_id = w.session_id
-      AND (w.process = $5 OR (w.machine_exclusive AND $6::boolean))
+      AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
     RETURNING w.machine_id, w.process, w.session_id
 ),
@@ -167,7 +312,7 @@ expired_history AS (
 ),
 claimed AS (
     INSERT INTO work (machine_id, process, machine_exclusive, session_id)
-    SELECT c.machine_id, $5, $6::boolean, $7
+    SELECT c.machine_id, $4, $5::boolean, $7
     FROM candidate c
     WHERE (SELECT count(*) FROM expired_history) >= 0
     ON CONFLICT DO NOTHING
@@ -179,8 +324,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT st.machine_id AS claimed_id, x.expired_count
-FROM started st
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
 `
 
@@ -188,38 +334,164 @@ type ClaimRecoveryCandidateParams struct {
 	Provider                string
 	FirstHeartbeatTimeoutMs int64
 	HeartbeatTimeoutMs      int64
-	MachineID               uuid.UUID
 	Process                 string
 	Exclusive               bool
+	ScanLimit               int32
 	SessionID               uuid.UUID
 }
 
 type ClaimRecoveryCandidateRow struct {
-	ClaimedID    uuid.UUID
+	CandidateID  uuid.UUID
+	ClaimedID    uuid.NullUUID
 	ExpiredCount int64
 }
 
-// ClaimRecoveryCandidate is the second step of a claim, in the same
-// transaction as the first: with a snapshot taken after the lock, it checks
-// that the locked machine is still a free candidate (another worker may have
-// claimed and finished it since the first step looked), expires work of dead
-// sessions on it (history Expired, naming the dead session), inserts the
-// work row and writes history Started. The primary key and
+// ClaimRecoveryCandidate claims the oldest free candidate for the process
+// under the session, in one statement. It locks the machine_provided row of
+// the candidate, skipping rows other claimers hold, so that concurrent
+// workers spread over the candidates instead of queueing on the first; and it
+// locks the row only if its revision is still the one the snapshot read, so a
+// machine someone claimed (and maybe finished) since the snapshot was taken
+// is skipped, not handed out again. It moves the revision, expires work of
+// dead sessions on the machine (history Expired, naming the dead session),
+// inserts the work row and writes history Started. The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
-// caller passes. No row means the machine is no candidate any more.
+// caller passes. No row means nothing to do or a dead session; a row
+// without claimed_id means the insert lost a race.
 func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryCandidateParams) (ClaimRecoveryCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimRecoveryCandidate,
 		arg.Provider,
 		arg.FirstHeartbeatTimeoutMs,
 		arg.HeartbeatTimeoutMs,
-		arg.MachineID,
+		arg.Process,
+		arg.Exclusive,
+		arg.ScanLimit,
+		arg.SessionID,
+	)
+	var i ClaimRecoveryCandidateRow
+	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	return i, err
+}
+
+const claimRecoveryCandidatePlain = `-- name: ClaimRecoveryCandidatePlain :one
+WITH candidate AS (
+    SELECT p.machine_id
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+          AND p.provider = $1
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $4
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+  AND NOT EXISTS (
+        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = $6 AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, $4, $5::boolean, $6
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+`
+
+type ClaimRecoveryCandidatePlainParams struct {
+	Provider                string
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+	Process                 string
+	Exclusive               bool
+	SessionID               uuid.UUID
+}
+
+type ClaimRecoveryCandidatePlainRow struct {
+	CandidateID  uuid.UUID
+	ClaimedID    uuid.NullUUID
+	ExpiredCount int64
+}
+
+// ClaimRecoveryCandidatePlain is the baseline the benchmark compares
+// ClaimRecoveryCandidate against: the oldest candidate, locked with a plain
+// FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimRecoveryCandidatePlainParams) (ClaimRecoveryCandidatePlainRow, error) {
+	row := q.db.QueryRow(ctx, claimRecoveryCandidatePlain,
+		arg.Provider,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.HeartbeatTimeoutMs,
 		arg.Process,
 		arg.Exclusive,
 		arg.SessionID,
 	)
-	var i ClaimRecoveryCandidateRow
-	err := row.Scan(&i.ClaimedID, &i.ExpiredCount)
+	var i ClaimRecoveryCandidatePlainRow
+	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
 	return i, err
 }
 
@@ -463,252 +735,4 @@ func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCa
 		return nil, err
 	}
 	return items, nil
-}
-
-const lockAgentStartCandidate = `-- name: LockAgentStartCandidate :one
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        WHERE p.provider = $1
-          AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT $4::integer
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-ORDER BY c.since
-LIMIT 1
-FOR UPDATE OF p SKIP LOCKED
-`
-
-type LockAgentStartCandidateParams struct {
-	Provider  string
-	Process   string
-	Exclusive bool
-	ScanLimit int32
-}
-
-// LockAgentStartCandidate is the first step of a claim: it picks the oldest
-// free candidate and locks its machine_provided row, skipping rows other
-// claimers hold, so that concurrent workers spread over the candidates
-// instead of queueing on the first. Its snapshot predates the lock, so the
-// second step (ClaimAgentStartCandidate) checks the candidate again.
-func (q *Queries) LockAgentStartCandidate(ctx context.Context, arg LockAgentStartCandidateParams) (uuid.UUID, error) {
-	row := q.db.QueryRow(ctx, lockAgentStartCandidate,
-		arg.Provider,
-		arg.Process,
-		arg.Exclusive,
-		arg.ScanLimit,
-	)
-	var machine_id uuid.UUID
-	err := row.Scan(&machine_id)
-	return machine_id, err
-}
-
-const lockAgentStartCandidatePlain = `-- name: LockAgentStartCandidatePlain :one
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        WHERE p.provider = $1
-          AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT 1
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-FOR UPDATE OF p
-`
-
-type LockAgentStartCandidatePlainParams struct {
-	Provider  string
-	Process   string
-	Exclusive bool
-}
-
-// LockAgentStartCandidatePlain is the baseline the benchmark compares
-// LockAgentStartCandidate against: the oldest candidate, locked with a plain
-// FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
-func (q *Queries) LockAgentStartCandidatePlain(ctx context.Context, arg LockAgentStartCandidatePlainParams) (uuid.UUID, error) {
-	row := q.db.QueryRow(ctx, lockAgentStartCandidatePlain, arg.Provider, arg.Process, arg.Exclusive)
-	var machine_id uuid.UUID
-	err := row.Scan(&machine_id)
-	return machine_id, err
-}
-
-const lockRecoveryCandidate = `-- name: LockRecoveryCandidate :one
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
-          AND p.agent_phase = 'AwaitingFirstHeartbeat'
-          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-        UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
-        FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT $6::integer
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-ORDER BY c.since
-LIMIT 1
-FOR UPDATE OF p SKIP LOCKED
-`
-
-type LockRecoveryCandidateParams struct {
-	Provider                string
-	FirstHeartbeatTimeoutMs int64
-	HeartbeatTimeoutMs      int64
-	Process                 string
-	Exclusive               bool
-	ScanLimit               int32
-}
-
-// LockRecoveryCandidate is the first step of a claim: it picks the oldest
-// free candidate and locks its machine_provided row, skipping rows other
-// claimers hold, so that concurrent workers spread over the candidates
-// instead of queueing on the first. Its snapshot predates the lock, so the
-// second step (ClaimRecoveryCandidate) checks the candidate again.
-func (q *Queries) LockRecoveryCandidate(ctx context.Context, arg LockRecoveryCandidateParams) (uuid.UUID, error) {
-	row := q.db.QueryRow(ctx, lockRecoveryCandidate,
-		arg.Provider,
-		arg.FirstHeartbeatTimeoutMs,
-		arg.HeartbeatTimeoutMs,
-		arg.Process,
-		arg.Exclusive,
-		arg.ScanLimit,
-	)
-	var machine_id uuid.UUID
-	err := row.Scan(&machine_id)
-	return machine_id, err
-}
-
-const lockRecoveryCandidatePlain = `-- name: LockRecoveryCandidatePlain :one
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
-          AND p.agent_phase = 'AwaitingFirstHeartbeat'
-          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-        UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
-        FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT 1
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-FOR UPDATE OF p
-`
-
-type LockRecoveryCandidatePlainParams struct {
-	Provider                string
-	FirstHeartbeatTimeoutMs int64
-	HeartbeatTimeoutMs      int64
-	Process                 string
-	Exclusive               bool
-}
-
-// LockRecoveryCandidatePlain is the baseline the benchmark compares
-// LockRecoveryCandidate against: the oldest candidate, locked with a plain
-// FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
-func (q *Queries) LockRecoveryCandidatePlain(ctx context.Context, arg LockRecoveryCandidatePlainParams) (uuid.UUID, error) {
-	row := q.db.QueryRow(ctx, lockRecoveryCandidatePlain,
-		arg.Provider,
-		arg.FirstHeartbeatTimeoutMs,
-		arg.HeartbeatTimeoutMs,
-		arg.Process,
-		arg.Exclusive,
-	)
-	var machine_id uuid.UUID
-	err := row.Scan(&machine_id)
-	return machine_id, err
 }

@@ -73,6 +73,7 @@ type MachineProvided struct {
 	ProviderStatusAt      *time.Time
 	AgentPhase            string
 	AgentPhaseSince       time.Time
+	Revision              int64
 }
 
 type MachineSshHostKey struct {

@@ -56,100 +56,32 @@ WHERE NOT EXISTS (
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
 
--- name: LockAgentStartCandidate :one
--- LockAgentStartCandidate is the first step of a claim: it picks the oldest
--- free candidate and locks its machine_provided row, skipping rows other
--- claimers hold, so that concurrent workers spread over the candidates
--- instead of queueing on the first. Its snapshot predates the lock, so the
--- second step (ClaimAgentStartCandidate) checks the candidate again.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        WHERE p.provider = @provider
-          AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT @scan_limit::integer
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-ORDER BY c.since
-LIMIT 1
-FOR UPDATE OF p SKIP LOCKED;
-
--- name: LockAgentStartCandidatePlain :one
--- LockAgentStartCandidatePlain is the baseline the benchmark compares
--- LockAgentStartCandidate against: the oldest candidate, locked with a plain
--- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        WHERE p.provider = @provider
-          AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT 1
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-FOR UPDATE OF p;
-
 -- name: ClaimAgentStartCandidate :one
--- ClaimAgentStartCandidate is the second step of a claim, in the same
--- transaction as the first: with a snapshot taken after the lock, it checks
--- that the locked machine is still a free candidate (another worker may have
--- claimed and finished it since the first step looked), expires work of dead
--- sessions on it (history Expired, naming the dead session), inserts the
--- work row and writes history Started. The primary key and
+-- ClaimAgentStartCandidate claims the oldest free candidate for the process
+-- under the session, in one statement. It locks the machine_provided row of
+-- the candidate, skipping rows other claimers hold, so that concurrent
+-- workers spread over the candidates instead of queueing on the first; and it
+-- locks the row only if its revision is still the one the snapshot read, so a
+-- machine someone claimed (and maybe finished) since the snapshot was taken
+-- is skipped, not handed out again. It moves the revision, expires work of
+-- dead sessions on the machine (history Expired, naming the dead session),
+-- inserts the work row and writes history Started. The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
--- caller passes. No row means the machine is no candidate any more.
+-- caller passes. No row means nothing to do or a dead session; a row
+-- without claimed_id means the insert lost a race.
 WITH candidate AS (
-    SELECT c.machine_id
+    SELECT p.machine_id
     FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
-    ) c
-    WHERE c.machine_id = @machine_id::uuid
-      AND NOT EXISTS (
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
         SELECT 1
         FROM work w
         JOIN sessions s ON s.session_id = w.session_id
@@ -165,9 +97,23 @@ WITH candidate AS (
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-      AND EXISTS (
+        ORDER BY c.since
+        LIMIT @scan_limit::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
         SELECT 1 FROM sessions s
         WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
 ),
 expired AS (
     DELETE FROM work w
@@ -198,8 +144,90 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT st.machine_id AS claimed_id, x.expired_count
-FROM started st
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+
+-- name: ClaimAgentStartCandidatePlain :one
+-- ClaimAgentStartCandidatePlain is the baseline the benchmark compares
+-- ClaimAgentStartCandidate against: the oldest candidate, locked with a plain
+-- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+WITH candidate AS (
+    SELECT p.machine_id
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingAgent'
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+  AND NOT EXISTS (
+        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, @process, @exclusive::boolean, @session_id
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 
 -- name: ListRecoveryCandidates :many
@@ -280,113 +308,25 @@ WHERE NOT EXISTS (
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
 
--- name: LockRecoveryCandidate :one
--- LockRecoveryCandidate is the first step of a claim: it picks the oldest
--- free candidate and locks its machine_provided row, skipping rows other
--- claimers hold, so that concurrent workers spread over the candidates
--- instead of queueing on the first. Its snapshot predates the lock, so the
--- second step (ClaimRecoveryCandidate) checks the candidate again.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
-          AND p.agent_phase = 'AwaitingFirstHeartbeat'
-          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-        UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
-        FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT @scan_limit::integer
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-ORDER BY c.since
-LIMIT 1
-FOR UPDATE OF p SKIP LOCKED;
-
--- name: LockRecoveryCandidatePlain :one
--- LockRecoveryCandidatePlain is the baseline the benchmark compares
--- LockRecoveryCandidate against: the oldest candidate, locked with a plain
--- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
-        JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
-          AND p.agent_phase = 'AwaitingFirstHeartbeat'
-          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-        UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
-        FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
-    ) c
-    WHERE NOT EXISTS (
-        SELECT 1
-        FROM work w
-        JOIN sessions s ON s.session_id = w.session_id
-        WHERE w.machine_id = c.machine_id
-          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
-          AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
-        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-    ORDER BY c.since
-    LIMIT 1
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-FOR UPDATE OF p;
-
 -- name: ClaimRecoveryCandidate :one
--- ClaimRecoveryCandidate is the second step of a claim, in the same
--- transaction as the first: with a snapshot taken after the lock, it checks
--- that the locked machine is still a free candidate (another worker may have
--- claimed and finished it since the first step looked), expires work of dead
--- sessions on it (history Expired, naming the dead session), inserts the
--- work row and writes history Started. The primary key and
+-- ClaimRecoveryCandidate claims the oldest free candidate for the process
+-- under the session, in one statement. It locks the machine_provided row of
+-- the candidate, skipping rows other claimers hold, so that concurrent
+-- workers spread over the candidates instead of queueing on the first; and it
+-- locks the row only if its revision is still the one the snapshot read, so a
+-- machine someone claimed (and maybe finished) since the snapshot was taken
+-- is skipped, not handed out again. It moves the revision, expires work of
+-- dead sessions on the machine (history Expired, naming the dead session),
+-- inserts the work row and writes history Started. The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
--- caller passes. No row means the machine is no candidate any more.
+-- caller passes. No row means nothing to do or a dead session; a row
+-- without claimed_id means the insert lost a race.
 WITH candidate AS (
-    SELECT c.machine_id
+    SELECT p.machine_id
     FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
@@ -401,9 +341,9 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
-    ) c
-    WHERE c.machine_id = @machine_id::uuid
-      AND NOT EXISTS (
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
         SELECT 1
         FROM work w
         JOIN sessions s ON s.session_id = w.session_id
@@ -419,9 +359,23 @@ WITH candidate AS (
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
-      AND EXISTS (
+        ORDER BY c.since
+        LIMIT @scan_limit::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
         SELECT 1 FROM sessions s
         WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
 ),
 expired AS (
     DELETE FROM work w
@@ -452,7 +406,99 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT st.machine_id AS claimed_id, x.expired_count
-FROM started st
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+
+-- name: ClaimRecoveryCandidatePlain :one
+-- ClaimRecoveryCandidatePlain is the baseline the benchmark compares
+-- ClaimRecoveryCandidate against: the oldest candidate, locked with a plain
+-- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+WITH candidate AS (
+    SELECT p.machine_id
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+          AND p.provider = @provider
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+  AND NOT EXISTS (
+        SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, @process, @exclusive::boolean, @session_id
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 

@@ -71,73 +71,78 @@ FROM (
 ) c
 WHERE {{$.Exclusions}};
 
--- name: Lock{{.Name}}Candidate :one
--- Lock{{.Name}}Candidate is the first step of a claim: it picks the oldest
--- free candidate and locks its machine_provided row, skipping rows other
--- claimers hold, so that concurrent workers spread over the candidates
--- instead of queueing on the first. Its snapshot predates the lock, so the
--- second step (Claim{{.Name}}Candidate) checks the candidate again.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-{{.Select}}
-    ) c
-    WHERE {{$.Exclusions}}
-    ORDER BY c.since
-    LIMIT @scan_limit::integer
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-ORDER BY c.since
-LIMIT 1
-FOR UPDATE OF p SKIP LOCKED;
-
--- name: Lock{{.Name}}CandidatePlain :one
--- Lock{{.Name}}CandidatePlain is the baseline the benchmark compares
--- Lock{{.Name}}Candidate against: the oldest candidate, locked with a plain
--- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
-SELECT p.machine_id
-FROM (
-    SELECT c.machine_id, c.since
-    FROM (
-{{.Select}}
-    ) c
-    WHERE {{$.Exclusions}}
-    ORDER BY c.since
-    LIMIT 1
-) c
-JOIN machine_provided p ON p.machine_id = c.machine_id
-FOR UPDATE OF p;
-
 -- name: Claim{{.Name}}Candidate :one
--- Claim{{.Name}}Candidate is the second step of a claim, in the same
--- transaction as the first: with a snapshot taken after the lock, it checks
--- that the locked machine is still a free candidate (another worker may have
--- claimed and finished it since the first step looked), expires work of dead
--- sessions on it (history Expired, naming the dead session), inserts the
--- work row and writes history Started. The primary key and
+-- Claim{{.Name}}Candidate claims the oldest free candidate for the process
+-- under the session, in one statement. It locks the machine_provided row of
+-- the candidate, skipping rows other claimers hold, so that concurrent
+-- workers spread over the candidates instead of queueing on the first; and it
+-- locks the row only if its revision is still the one the snapshot read, so a
+-- machine someone claimed (and maybe finished) since the snapshot was taken
+-- is skipped, not handed out again. It moves the revision, expires work of
+-- dead sessions on the machine (history Expired, naming the dead session),
+-- inserts the work row and writes history Started. The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
--- caller passes. No row means the machine is no candidate any more.
+-- caller passes. No row means nothing to do or a dead session; a row
+-- without claimed_id means the insert lost a race.
 WITH candidate AS (
-    SELECT c.machine_id
+    SELECT p.machine_id
     FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
 {{.Select}}
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE {{$.Exclusions}}
+        ORDER BY c.since
+        LIMIT @scan_limit::integer
     ) c
-    WHERE c.machine_id = @machine_id::uuid
-      AND {{$.Exclusions}}
-      AND EXISTS (
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
         SELECT 1 FROM sessions s
         WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+{{$.Claim}}
+-- name: Claim{{.Name}}CandidatePlain :one
+-- Claim{{.Name}}CandidatePlain is the baseline the benchmark compares
+-- Claim{{.Name}}Candidate against: the oldest candidate, locked with a plain
+-- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+WITH candidate AS (
+    SELECT p.machine_id
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+{{.Select}}
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE {{$.Exclusions}}
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
 ),
 {{$.Claim}}
 {{- end}}
 `))
 
-// claim is the part of every claim query after the candidate is confirmed.
+// claim is the part of every claim query after the candidate is locked.
 // claimed reads expired_history so that the dead work is deleted before the
 // insert that would otherwise collide with it.
-const claim = `expired AS (
+const claim = `revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
     DELETE FROM work w
     USING sessions s, candidate c
     WHERE w.machine_id = c.machine_id
@@ -166,8 +171,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT st.machine_id AS claimed_id, x.expired_count
-FROM started st
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+FROM candidate c
+LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 `
 

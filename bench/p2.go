@@ -1,0 +1,233 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/bmdb"
+)
+
+const (
+	p2Workers  = 16
+	p2Machines = 5000
+	p2Warmup   = 2 * time.Second
+	p2Measure  = 10 * time.Second
+)
+
+// benchClaimFinish is P2: claim + finish cycles per second with 16 workers,
+// against a plain-LIMIT-1 baseline and pgbench's simple-update TPS at 16
+// clients on the same server.
+func benchClaimFinish(ctx context.Context, e *env) error {
+	url, err := e.database(ctx, "p2")
+	if err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, MaxConns: 2 * p2Workers, Registerer: reg})
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := addMachines(ctx, db, "bench", p2Machines); err != nil {
+		return err
+	}
+
+	skip, err := runCycles(ctx, db, reg, bmdb.ClaimSkipLocked)
+	if err != nil {
+		return fmt.Errorf("skip-locked cycles: %w", err)
+	}
+	plain, err := runCycles(ctx, db, reg, bmdb.ClaimPlainLimit)
+	if err != nil {
+		return fmt.Errorf("plain-limit cycles: %w", err)
+	}
+	tps, err := pgbenchTPS(ctx, e)
+	if err != nil {
+		return fmt.Errorf("pgbench: %w", err)
+	}
+	report("P2", "claim_finish_per_s", skip.perSecond,
+		"baseline", plain.perSecond, "ratio", skip.perSecond/plain.perSecond,
+		"limit", tps, "limit_ratio", skip.perSecond/tps,
+		"workers", p2Workers, "machines", p2Machines,
+		"conflict_pct", 100*skip.conflictRate, "retry_pct", 100*skip.retryRate,
+		"baseline_conflict_pct", 100*plain.conflictRate, "baseline_empty_claim_pct", 100*plain.emptyRate,
+		"seconds", p2Measure.Seconds())
+	return nil
+}
+
+// addMachines adds n machines of provider through the BMDB API.
+func addMachines(ctx context.Context, db *bmdb.DB, provider string, n int) error {
+	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench-setup"})
+	if err != nil {
+		return err
+	}
+	defer s.Close(ctx)
+	for done := 0; done < n; {
+		chunk := min(500, n-done)
+		err := s.Transact(ctx, func(ctx context.Context, tx *bmdb.Tx) error {
+			for i := range chunk {
+				_, err := tx.AddMachine(ctx, bmdb.Provided{
+					Provider: provider, ProviderID: fmt.Sprintf("%s-%d", provider, done+i), Status: bmdb.ProviderStatusRunning,
+				})
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		done += chunk
+	}
+	return nil
+}
+
+type cycleResult struct {
+	perSecond    float64
+	conflictRate float64 // claims that lost a race, per cycle
+	retryRate    float64 // transactions retried after 40001/40P01, per cycle
+	emptyRate    float64 // claims that came back with nothing, per cycle
+}
+
+// runCycles runs p2Workers workers that claim an agent-start candidate and
+// finish it straight away (without tag changes, so the machine stays a
+// candidate), and counts cycles in the measuring window after a warm-up.
+func runCycles(ctx context.Context, db *bmdb.DB, reg *prometheus.Registry, strategy bmdb.ClaimStrategy) (cycleResult, error) {
+	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench", ClaimStrategy: strategy})
+	if err != nil {
+		return cycleResult{}, err
+	}
+	defer s.Close(ctx)
+	var (
+		measuring atomic.Bool
+		cycles    atomic.Int64
+		empty     atomic.Int64
+		firstErr  error
+		errOnce   sync.Once
+		wg        sync.WaitGroup
+	)
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	cands := bmdb.AgentStartCandidates("bench")
+	for range p2Workers {
+		wg.Go(func() {
+			for runCtx.Err() == nil {
+				w, err := s.Work(runCtx, bmdb.ProcessAgentStart, cands)
+				// The plain baseline reports nothing to do when the one
+				// candidate it looked at was taken under its feet.
+				if errors.Is(err, bmdb.ErrWorkConflict) || errors.Is(err, bmdb.ErrNothingToDo) {
+					if measuring.Load() {
+						empty.Add(1)
+					}
+					continue
+				}
+				if err == nil {
+					err = w.Finish(runCtx, nil)
+				}
+				if err != nil {
+					if runCtx.Err() == nil {
+						errOnce.Do(func() { firstErr = err; cancel() })
+					}
+					return
+				}
+				if measuring.Load() {
+					cycles.Add(1)
+				}
+			}
+		})
+	}
+	sleepCtx(runCtx, p2Warmup)
+	conflicts0, retries0 := counter(reg, "shepherd_bmdb_work_claim_conflicts_total"), counter(reg, "shepherd_bmdb_transaction_retries_total")
+	measuring.Store(true)
+	start := time.Now()
+	sleepCtx(runCtx, p2Measure)
+	measuring.Store(false)
+	elapsed := time.Since(start)
+	conflicts, retries := counter(reg, "shepherd_bmdb_work_claim_conflicts_total")-conflicts0, counter(reg, "shepherd_bmdb_transaction_retries_total")-retries0
+	cancel()
+	wg.Wait()
+	if firstErr != nil {
+		return cycleResult{}, firstErr
+	}
+	n := float64(cycles.Load())
+	if n == 0 {
+		return cycleResult{}, errors.New("no cycle completed")
+	}
+	return cycleResult{
+		perSecond:    n / elapsed.Seconds(),
+		conflictRate: conflicts / n,
+		retryRate:    retries / n,
+		emptyRate:    float64(empty.Load()) / n,
+	}, nil
+}
+
+// counter sums every series of a counter family in reg.
+func counter(reg *prometheus.Registry, name string) float64 {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+var tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+
+// pgbenchTPS runs pgbench's simple-update script (-N) with 16 clients on the
+// same server and returns its TPS.
+func pgbenchTPS(ctx context.Context, e *env) (float64, error) {
+	bin := filepath.Join(e.srv.BinDir(), "pgbench")
+	if _, err := os.Stat(bin); err != nil {
+		if bin, err = exec.LookPath("pgbench"); err != nil {
+			return 0, errors.New("pgbench not found next to postgres or on PATH (Debian: apt-get install postgresql-contrib)")
+		}
+	}
+	url, err := e.database(ctx, "pgbench")
+	if err != nil {
+		return 0, err
+	}
+	_ = url
+	dbname := fmt.Sprintf("pgbench_%d", e.seq)
+	conn := []string{"-h", e.srv.SocketDir(), "-p", strconv.Itoa(e.srv.Port()), "-U", e.srv.User()}
+	initArgs := append(append([]string{"-i", "-q", "-s", "16"}, conn...), dbname)
+	if out, err := exec.CommandContext(ctx, bin, initArgs...).CombinedOutput(); err != nil {
+		return 0, fmt.Errorf("pgbench -i: %w: %s", err, out)
+	}
+	runArgs := append(append([]string{"-N", "-c", strconv.Itoa(p2Workers), "-j", "2", "-T", strconv.Itoa(int(p2Measure.Seconds()))}, conn...), dbname)
+	out, err := exec.CommandContext(ctx, bin, runArgs...).CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("pgbench -N: %w: %s", err, out)
+	}
+	m := tpsLine.FindSubmatch(out)
+	if m == nil {
+		return 0, fmt.Errorf("no TPS in pgbench output: %s", out)
+	}
+	return strconv.ParseFloat(string(m[1]), 64)
+}

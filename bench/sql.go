@@ -1,0 +1,19 @@
+package main
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// runSQL runs one statement on its own connection (CREATE DATABASE cannot
+// run inside the pool's transactions).
+func runSQL(ctx context.Context, url, sql string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	_, err = conn.Exec(ctx, sql)
+	return err
+}
