@@ -126,7 +126,7 @@ func TestMetricsRegistry(t *testing.T) {
 		`shepherd_bmdb_sessions_started_total{component="test"}`:                   1,
 		`shepherd_bmdb_sessions_open{component="test"}`:                            1,
 		`shepherd_bmdb_transaction_retries_total{sqlstate="40001"}`:                0,
-		`shepherd_bmdb_work_claim_conflicts_total{process="AgentStart"}`:          0,
+		`shepherd_bmdb_work_claim_conflicts_total{process="AgentStart"}`:           0,
 		`shepherd_bmdb_work_ended_total{process="Decommission",result="finished"}`: 0,
 	}
 	mfs, err := reg.Gather()
