@@ -110,9 +110,9 @@ func (db *DB) open(ctx context.Context, cfg Config, reg prometheus.Registerer) e
 	case SchemaMigrate:
 		db.version, err = db.Migrate(ctx, nil)
 	case SchemaRequireCurrent:
-		db.version, err = db.checkSchema(ctx)
+		db.version, err = db.dbVersion(ctx, true)
 	case SchemaIgnore:
-		db.version, err = db.dbVersion(ctx)
+		db.version, err = db.dbVersion(ctx, false)
 	}
 	if err != nil {
 		return err

@@ -24,107 +24,95 @@ type MigrationState struct {
 	AppliedAt time.Time // zero unless Applied
 }
 
-func (db *DB) migrations() (*goose.Provider, func() error, error) {
+// withMigrations runs fn with a goose provider over the embedded migrations.
+func (db *DB) withMigrations(fn func(p *goose.Provider) error) error {
 	fsys, err := fs.Sub(migrationFiles, "migrations")
 	if err != nil {
-		return nil, nil, err
+		return err
 	}
 	// The advisory lock only serialises processes migrating at the same time;
 	// correctness of the migrations themselves does not depend on it.
 	locker, err := lock.NewPostgresSessionLocker()
 	if err != nil {
-		return nil, nil, fmt.Errorf("bmdb: creating migration lock: %w", err)
+		return fmt.Errorf("bmdb: creating migration lock: %w", err)
 	}
 	sqlDB := stdlib.OpenDBFromPool(db.pool)
+	defer sqlDB.Close()
 	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, fsys, goose.WithSessionLocker(locker))
 	if err != nil {
-		sqlDB.Close()
-		return nil, nil, fmt.Errorf("bmdb: loading migrations: %w", err)
+		return fmt.Errorf("bmdb: loading migrations: %w", err)
 	}
-	return p, sqlDB.Close, nil
+	return fn(p)
 }
 
 // Migrate applies every embedded migration the database lacks, one at a
 // time, calls progress (if not nil) after each, and returns the resulting
 // schema version.
 func (db *DB) Migrate(ctx context.Context, progress func(MigrationState, time.Duration)) (int64, error) {
-	p, closeDB, err := db.migrations()
-	if err != nil {
-		return 0, err
-	}
-	defer closeDB()
-	for {
-		r, err := p.UpByOne(ctx)
-		if errors.Is(err, goose.ErrNoNextVersion) {
-			break
+	var v int64
+	err := db.withMigrations(func(p *goose.Provider) error {
+		for {
+			r, err := p.UpByOne(ctx)
+			if errors.Is(err, goose.ErrNoNextVersion) {
+				break
+			}
+			if err != nil {
+				return fmt.Errorf("bmdb: applying migrations: %w", err)
+			}
+			if progress != nil {
+				progress(MigrationState{Version: r.Source.Version, Name: r.Source.Path, Applied: true, AppliedAt: time.Now()}, r.Duration)
+			}
 		}
-		if err != nil {
-			return 0, fmt.Errorf("bmdb: applying migrations: %w", err)
-		}
-		if progress != nil {
-			progress(MigrationState{Version: r.Source.Version, Name: r.Source.Path, Applied: true, AppliedAt: time.Now()}, r.Duration)
-		}
-	}
-	v, err := p.GetDBVersion(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("bmdb: reading schema version: %w", err)
-	}
-	return v, nil
-}
-
-// dbVersion returns the database's schema version (0 if it has none).
-func (db *DB) dbVersion(ctx context.Context) (int64, error) {
-	p, closeDB, err := db.migrations()
-	if err != nil {
-		return 0, err
-	}
-	defer closeDB()
-	v, err := p.GetDBVersion(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("bmdb: reading schema version: %w", err)
-	}
-	return v, nil
+		var err error
+		v, err = schemaVersion(ctx, p)
+		return err
+	})
+	return v, err
 }
 
 // MigrationStatus lists the embedded migrations and which ones the database has.
 func (db *DB) MigrationStatus(ctx context.Context) ([]MigrationState, error) {
-	p, closeDB, err := db.migrations()
-	if err != nil {
-		return nil, err
-	}
-	defer closeDB()
-	st, err := p.Status(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("bmdb: reading migration status: %w", err)
-	}
-	out := make([]MigrationState, 0, len(st))
-	for _, s := range st {
-		out = append(out, MigrationState{
-			Version:   s.Source.Version,
-			Name:      s.Source.Path,
-			Applied:   s.State == goose.StateApplied,
-			AppliedAt: s.AppliedAt,
-		})
-	}
-	return out, nil
+	var out []MigrationState
+	err := db.withMigrations(func(p *goose.Provider) error {
+		st, err := p.Status(ctx)
+		if err != nil {
+			return fmt.Errorf("bmdb: reading migration status: %w", err)
+		}
+		for _, s := range st {
+			out = append(out, MigrationState{
+				Version:   s.Source.Version,
+				Name:      s.Source.Path,
+				Applied:   s.State == goose.StateApplied,
+				AppliedAt: s.AppliedAt,
+			})
+		}
+		return nil
+	})
+	return out, err
 }
 
-// checkSchema returns the database's schema version and fails if it lacks
-// migrations this binary needs.
-func (db *DB) checkSchema(ctx context.Context) (int64, error) {
-	p, closeDB, err := db.migrations()
-	if err != nil {
-		return 0, err
-	}
-	defer closeDB()
+// dbVersion returns the database's schema version. With requireCurrent it
+// fails if the database lacks migrations this binary needs.
+func (db *DB) dbVersion(ctx context.Context, requireCurrent bool) (int64, error) {
+	var v int64
+	err := db.withMigrations(func(p *goose.Provider) error {
+		var err error
+		if v, err = schemaVersion(ctx, p); err != nil {
+			return err
+		}
+		sources := p.ListSources()
+		if want := sources[len(sources)-1].Version; requireCurrent && v < want {
+			return fmt.Errorf("bmdb: database schema is at version %d, this binary needs %d; run `shepherd migrate up`", v, want)
+		}
+		return nil
+	})
+	return v, err
+}
+
+func schemaVersion(ctx context.Context, p *goose.Provider) (int64, error) {
 	v, err := p.GetDBVersion(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: reading schema version: %w", err)
-	}
-	sources := p.ListSources()
-	want := sources[len(sources)-1].Version
-	if v < want {
-		return 0, fmt.Errorf("bmdb: database schema is at version %d, this binary needs %d; run `shepherd migrate up`", v, want)
 	}
 	return v, nil
 }

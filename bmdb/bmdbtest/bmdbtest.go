@@ -30,6 +30,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/pgserver"
@@ -61,12 +62,22 @@ var (
 // the template on an external server). Call it from TestMain:
 //
 //	func TestMain(m *testing.M) { bmdbtest.Main(m) }
+//
+// It also fails the run if goroutines are left behind after the tests (a
+// session not closed, a pool not closed), as goleak sees them.
 func Main(m *testing.M) {
 	mainCalled.Store(true)
+	ignore := goleak.IgnoreCurrent()
 	code := m.Run()
 	if err := shared.shutdown(); err != nil {
 		fmt.Fprintln(os.Stderr, "bmdbtest:", err)
 		if code == 0 {
+			code = 1
+		}
+	}
+	if code == 0 {
+		if err := goleak.Find(ignore); err != nil {
+			fmt.Fprintln(os.Stderr, "bmdbtest: goroutines left behind after the tests:", err)
 			code = 1
 		}
 	}

@@ -149,8 +149,8 @@ CREATE TABLE work (
     FOREIGN KEY (process, machine_exclusive) REFERENCES processes (process, machine_exclusive)
 );
 CREATE UNIQUE INDEX work_machine_exclusive ON work (machine_id) WHERE machine_exclusive;
-CREATE INDEX work_session ON work (session_id);
-CREATE INDEX work_process ON work (process);
+-- No other indexes: work holds only in-flight claims, a few hundred rows at
+-- most, and every index costs an insert and a delete on each claim.
 
 -- Process P may not touch machine M until backoff_until. last_interval_ms is the
 -- un-jittered interval the next failure grows from; attempts counts failures in

@@ -11,6 +11,8 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+
+	"github.com/shepherd/shepherd/bmdb"
 )
 
 func main() {
@@ -45,13 +47,14 @@ func (f *databaseFlags) bind(cmd *cobra.Command) {
 		"PostgreSQL connection URL of the BMDB (default $SHEPHERD_DATABASE_URL)")
 }
 
-// URL returns the configured database URL or an error that says how to set it.
-func (f *databaseFlags) URL() (string, error) {
-	if f.url != "" {
-		return f.url, nil
+// open opens the configured BMDB, or says how to configure one.
+func (f *databaseFlags) open(ctx context.Context, schema bmdb.SchemaPolicy) (*bmdb.DB, error) {
+	url := f.url
+	if url == "" {
+		url = os.Getenv("SHEPHERD_DATABASE_URL")
 	}
-	if u := os.Getenv("SHEPHERD_DATABASE_URL"); u != "" {
-		return u, nil
+	if url == "" {
+		return nil, errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
 	}
-	return "", errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
+	return bmdb.Open(ctx, bmdb.Config{URL: url, Schema: schema})
 }

@@ -21,11 +21,7 @@ func newMigrateCommand() *cobra.Command {
 		Short: "Apply every migration the database lacks",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			url, err := db.URL()
-			if err != nil {
-				return err
-			}
-			d, err := bmdb.Open(cmd.Context(), bmdb.Config{URL: url, Schema: bmdb.SchemaIgnore})
+			d, err := db.open(cmd.Context(), bmdb.SchemaIgnore)
 			if err != nil {
 				return err
 			}
@@ -47,11 +43,7 @@ func newMigrateCommand() *cobra.Command {
 		Short: "List the migrations this binary knows and whether the database has them",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			url, err := db.URL()
-			if err != nil {
-				return err
-			}
-			d, err := bmdb.Open(cmd.Context(), bmdb.Config{URL: url, Schema: bmdb.SchemaIgnore})
+			d, err := db.open(cmd.Context(), bmdb.SchemaIgnore)
 			if err != nil {
 				return err
 			}
