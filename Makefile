@@ -5,11 +5,18 @@ GO            ?= go
 TOOLS         := $(CURDIR)/.tools
 SQLC_VERSION  := v1.31.1
 STATICCHECK_VERSION := v0.8.2
+BUF_VERSION   := v1.75.0
+PROTOC_GEN_GO_VERSION := v1.36.12
+PROTOC_GEN_CONNECT_GO_VERSION := v1.21.1
 SQLC          := $(TOOLS)/sqlc-$(SQLC_VERSION)/sqlc
 STATICCHECK   := $(TOOLS)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
+BUF           := $(TOOLS)/buf-$(BUF_VERSION)/buf
+# buf.gen.yaml names these paths; keep the versions in sync.
+PROTOC_GEN_GO := $(TOOLS)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)/protoc-gen-go
+PROTOC_GEN_CONNECT_GO := $(TOOLS)/protoc-gen-connect-go-$(PROTOC_GEN_CONNECT_GO_VERSION)/protoc-gen-connect-go
 
 # Generated files, checked by `make generate-check`.
-GENERATED := bmdb/queries/candidates.gen.sql bmdb/model
+GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
 .PHONY: all build test generate generate-check lint bench tools require-postgres
 
@@ -24,9 +31,11 @@ require-postgres:
 test: require-postgres
 	$(GO) test -race -count=1 ./...
 
-generate: $(SQLC)
+generate: $(SQLC) $(BUF) $(PROTOC_GEN_GO) $(PROTOC_GEN_CONNECT_GO)
 	$(GO) run ./bmdb/internal/gencandidates -in bmdb/candidates -out bmdb/queries/candidates.gen.sql
 	$(SQLC) generate
+	$(BUF) lint
+	$(BUF) generate
 
 # Fails if the committed generated code differs from what `make generate`
 # produces now.
@@ -47,10 +56,19 @@ lint: $(STATICCHECK)
 bench: require-postgres
 	$(GO) run ./bench
 
-tools: $(SQLC) $(STATICCHECK)
+tools: $(SQLC) $(STATICCHECK) $(BUF) $(PROTOC_GEN_GO) $(PROTOC_GEN_CONNECT_GO)
 
 $(SQLC):
 	GOBIN=$(dir $@) $(GO) install github.com/sqlc-dev/sqlc/cmd/sqlc@$(SQLC_VERSION)
 
 $(STATICCHECK):
 	GOBIN=$(dir $@) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+
+$(BUF):
+	GOBIN=$(dir $@) $(GO) install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
+
+$(PROTOC_GEN_GO):
+	GOBIN=$(dir $@) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+
+$(PROTOC_GEN_CONNECT_GO):
+	GOBIN=$(dir $@) $(GO) install connectrpc.com/connect/cmd/protoc-gen-connect-go@$(PROTOC_GEN_CONNECT_GO_VERSION)
