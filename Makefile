@@ -18,7 +18,7 @@ PROTOC_GEN_CONNECT_GO := $(TOOLS)/protoc-gen-connect-go-$(PROTOC_GEN_CONNECT_GO_
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test generate generate-check lint bench tools require-postgres
+.PHONY: all build test fuzz generate generate-check lint bench tools require-postgres
 
 all: build
 
@@ -28,8 +28,26 @@ build:
 require-postgres:
 	@scripts/require-postgres
 
+# Fuzz targets of the parsers of external input (SPEC §8 R9), each run for
+# FUZZTIME by `make test`; run longer with e.g. `make fuzz FUZZTIME=10m`.
+FUZZTIME ?= 5s
+FUZZ_TARGETS := \
+	./server:FuzzParseHeartbeat \
+	./agent:FuzzTakeoverInit \
+	./agent/hwreport:FuzzParseCPUInfo \
+	./agent/hwreport:FuzzParseCPUList \
+	./agent/hwreport:FuzzParseMemTotal
+
 test: require-postgres
 	$(GO) test -race -count=1 ./...
+	$(MAKE) --no-print-directory fuzz
+
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; fn=$${t##*:}; \
+		echo "fuzzing $$fn in $$pkg for $(FUZZTIME)"; \
+		$(GO) test -run='^$$' -fuzz="^$$fn\$$" -fuzztime=$(FUZZTIME) $$pkg; \
+	done
 
 generate: $(SQLC) $(BUF) $(PROTOC_GEN_GO) $(PROTOC_GEN_CONNECT_GO)
 	$(GO) run ./bmdb/internal/gencandidates -in bmdb/candidates -out bmdb/queries/candidates.gen.sql

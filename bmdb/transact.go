@@ -118,7 +118,7 @@ func txResult(err error) string {
 	switch {
 	case err == nil, errors.Is(err, pgx.ErrNoRows):
 		return "committed"
-	case errors.As(err, &fe), errors.Is(err, ErrSessionExpired):
+	case errors.As(err, &fe), errors.Is(err, ErrSessionExpired), errors.Is(err, ErrNotFound):
 		return "rolled_back"
 	default:
 		return "failed"

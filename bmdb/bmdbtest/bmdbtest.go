@@ -64,11 +64,15 @@ var (
 //	func TestMain(m *testing.M) { bmdbtest.Main(m) }
 //
 // It also fails the run if goroutines are left behind after the tests (a
-// session not closed, a pool not closed), as goleak sees them.
-func Main(m *testing.M) {
+// session not closed, a pool not closed), as goleak sees them. cleanups run
+// after the tests, before the process exits.
+func Main(m *testing.M, cleanups ...func()) {
 	mainCalled.Store(true)
 	ignore := goleak.IgnoreCurrent()
 	code := m.Run()
+	for _, c := range cleanups {
+		c()
+	}
 	if err := shared.shutdown(); err != nil {
 		fmt.Fprintln(os.Stderr, "bmdbtest:", err)
 		if code == 0 {

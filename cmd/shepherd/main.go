@@ -32,7 +32,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newMigrateCommand(), newVersionCommand())
+	root.AddCommand(newRunCommand(), newMigrateCommand(), newInstallCommand(), newVersionCommand())
 	return root
 }
 

@@ -24,11 +24,12 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// requirePostgres skips the test when no PostgreSQL server is installed.
+// requirePostgres fails the test, saying how to install it, when no
+// PostgreSQL server is installed.
 func requirePostgres(t *testing.T) {
 	t.Helper()
 	if _, err := FindBinDir(); err != nil {
-		t.Skipf("PostgreSQL not installed: %v", err)
+		t.Fatalf("these tests need a PostgreSQL server: %v", err)
 	}
 }
 
@@ -110,7 +111,7 @@ func processesUsing(t *testing.T, dataDir string) []int {
 	t.Helper()
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
-		t.Skipf("no /proc: %v", err)
+		t.Fatalf("reading /proc: %v", err)
 	}
 	var pids []int
 	for _, e := range entries {
@@ -305,7 +306,7 @@ const helperDirEnv = "PGSERVER_TEST_HELPER_DIR"
 func TestHelperServer(t *testing.T) {
 	dir := os.Getenv(helperDirEnv)
 	if dir == "" {
-		t.Skip("helper process for TestCrashedParentLeavesNoPostgres")
+		return // only a helper process of TestCrashedParentLeavesNoPostgres
 	}
 	s, err := Start(t.Context(), Config{Dir: dir})
 	if err != nil {
@@ -476,12 +477,24 @@ func TestRestartWithCanceledContext(t *testing.T) {
 func TestUntraversableDir(t *testing.T) {
 	t.Parallel()
 	requirePostgres(t)
+	// t.TempDir is 0700 and owned by whoever runs the test. As root, the
+	// cluster runs as the postgres user, who cannot enter it: Start must say
+	// so. Otherwise the cluster runs as the owner, and Start succeeds.
+	s, err := Start(t.Context(), Config{Dir: filepath.Join(t.TempDir(), "pg")})
 	if os.Geteuid() != 0 {
-		t.Skip("only relevant when running as root")
+		if err != nil {
+			t.Fatalf("Start in a directory of the current user: %v", err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+		return
 	}
-	// t.TempDir is 0700 root: the postgres user cannot enter it.
-	_, err := Start(t.Context(), Config{Dir: filepath.Join(t.TempDir(), "pg")})
-	if err == nil || !strings.Contains(err.Error(), "traversable") {
+	if err == nil {
+		s.Close()
+		t.Fatal("Start inside a 0700 root directory succeeded, want a traversal error")
+	}
+	if !strings.Contains(err.Error(), "traversable") {
 		t.Fatalf("Start inside a 0700 root dir: %v, want a traversal error", err)
 	}
 	t.Logf("error (expected): %v", err)

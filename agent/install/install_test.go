@@ -1,0 +1,726 @@
+package install
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"io/fs"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// imageSize is the size of the test image: a few MiB, and not a multiple
+// of the copy buffer.
+const imageSize = 3<<20 + 12345
+
+// testImage returns a random image and its lowercase hex SHA-256.
+func testImage(t *testing.T) ([]byte, string) {
+	t.Helper()
+	var seed [32]byte
+	binary.LittleEndian.PutUint64(seed[:], rand.Uint64())
+	img := make([]byte, imageSize)
+	_, _ = rand.NewChaCha8(seed).Read(img) // never fails
+	sum := sha256.Sum256(img)
+	return img, hex.EncodeToString(sum[:])
+}
+
+// server is an HTTP server for a test, counting the requests it receives.
+type server struct {
+	*httptest.Server
+	requests atomic.Int64
+}
+
+// newServer starts a server running handler, closed when the test ends.
+func newServer(t *testing.T, handler http.HandlerFunc) *server {
+	t.Helper()
+	s := &server{}
+	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.requests.Add(1)
+		handler(w, r)
+	}))
+	t.Cleanup(s.Close)
+	return s
+}
+
+// serveImage returns a handler serving img with a Content-Length.
+func serveImage(img []byte) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		http.ServeContent(w, r, "image.raw", time.Time{}, bytes.NewReader(img))
+	}
+}
+
+// serveChunked returns a handler serving img in chunks of chunk bytes
+// without a Content-Length, pausing for pause after each chunk.
+func serveChunked(img []byte, chunk int, pause time.Duration) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		for len(img) > 0 {
+			n := min(chunk, len(img))
+			if _, err := w.Write(img[:n]); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			img = img[n:]
+			if pause > 0 && len(img) > 0 {
+				time.Sleep(pause)
+			}
+		}
+	}
+}
+
+// serveStalling returns a handler that sends the first part bytes of img
+// (announcing all of it), signals on sent, and then blocks until the client
+// goes away or the test ends.
+func serveStalling(t *testing.T, img []byte, part int, sent chan<- struct{}) http.HandlerFunc {
+	testDone := make(chan struct{})
+	t.Cleanup(func() { close(testDone) }) // runs before the server's Close
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(img)))
+		if _, err := w.Write(img[:part]); err != nil {
+			return
+		}
+		w.(http.Flusher).Flush()
+		if sent != nil {
+			close(sent)
+		}
+		select {
+		case <-r.Context().Done():
+		case <-testDone:
+		}
+	}
+}
+
+// newConfig returns a Config staging images in a fresh directory, and
+// checks, when the test ends, that no staging file was left behind.
+func newConfig(t *testing.T) Config {
+	t.Helper()
+	dir := t.TempDir()
+	// Registered after TempDir's cleanup, so it runs before the removal.
+	t.Cleanup(func() { assertEmptyDir(t, dir) })
+	return Config{WorkDir: dir, Logger: testLogger(t)}
+}
+
+func assertEmptyDir(t *testing.T, dir string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		t.Errorf("staging directory %s not empty: %s left behind", dir, e.Name())
+	}
+}
+
+// testLogger logs to the test's output.
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func request(url, sum, target string) *agentv1.OSInstallationRequest {
+	return &agentv1.OSInstallationRequest{
+		Generation:   7,
+		ImageUrl:     url,
+		ImageSha256:  sum,
+		TargetDevice: target,
+	}
+}
+
+// snapshot is a target file's content and modification time.
+type snapshot struct {
+	exists  bool
+	content []byte
+	mtime   time.Time
+}
+
+// existingTarget creates a target file holding content, with an old
+// modification time so that any write would change it.
+func existingTarget(t *testing.T, content []byte) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "disk")
+	if err := os.WriteFile(path, content, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	old := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+	if err := os.Chtimes(path, old, old); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func takeSnapshot(t *testing.T, path string) snapshot {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return snapshot{}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	content, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return snapshot{exists: true, content: content, mtime: fi.ModTime()}
+}
+
+func assertUntouched(t *testing.T, path string, before snapshot) {
+	t.Helper()
+	after := takeSnapshot(t, path)
+	if after.exists != before.exists {
+		t.Fatalf("target %s: exists changed from %v to %v", path, before.exists, after.exists)
+	}
+	if !bytes.Equal(after.content, before.content) {
+		t.Errorf("target %s content changed (%d bytes before, %d after)", path, len(before.content), len(after.content))
+	}
+	if !after.mtime.Equal(before.mtime) {
+		t.Errorf("target %s mtime changed from %s to %s", path, before.mtime, after.mtime)
+	}
+}
+
+func assertSuccess(t *testing.T, report *agentv1.OSInstallationReport, generation int64) {
+	t.Helper()
+	if report.GetGeneration() != generation {
+		t.Errorf("report generation = %d, want %d", report.GetGeneration(), generation)
+	}
+	if report.GetSuccess() == nil {
+		t.Fatalf("report is not a success: %v", report)
+	}
+}
+
+// assertError checks that report is an error report for generation whose
+// message contains each of wants, and returns the message.
+func assertError(t *testing.T, report *agentv1.OSInstallationReport, generation int64, wants ...string) string {
+	t.Helper()
+	if report.GetGeneration() != generation {
+		t.Errorf("report generation = %d, want %d", report.GetGeneration(), generation)
+	}
+	if report.GetError() == nil {
+		t.Fatalf("report is not an error: %v", report)
+	}
+	msg := report.GetError().GetMessage()
+	for _, want := range wants {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error message %q does not mention %q", msg, want)
+		}
+	}
+	return msg
+}
+
+func assertContent(t *testing.T, path string, want []byte) {
+	t.Helper()
+	got, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("target %s holds %d bytes that differ from the %d-byte image", path, len(got), len(want))
+	}
+}
+
+func TestInstallWritesImageToNewTarget(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := filepath.Join(t.TempDir(), "disk")
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL+"/image.raw", sum, target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+	if got := srv.requests.Load(); got != 1 {
+		t.Errorf("server got %d requests, want 1", got)
+	}
+}
+
+func TestInstallTruncatesLargerTargetFile(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, bytes.Repeat([]byte{0xff}, len(img)+1<<20))
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+}
+
+func TestInstallAcceptsUpperCaseDigest(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, []byte("old"))
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, strings.ToUpper(sum), target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+}
+
+func TestInstallWithoutContentLength(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveChunked(img, 100_000, 0))
+	target := existingTarget(t, nil)
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+}
+
+func TestInstallUsesConfiguredHTTPClient(t *testing.T) {
+	img, sum := testImage(t)
+	srv := httptest.NewTLSServer(serveImage(img))
+	t.Cleanup(srv.Close)
+	target := existingTarget(t, nil)
+
+	cfg := newConfig(t)
+	cfg.HTTPClient = srv.Client() // trusts the server's certificate
+	report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+}
+
+// TestInstallSlowDownload checks that a download trickling in small chunks
+// succeeds as long as each chunk arrives within the stall timeout, however
+// long the whole download takes.
+func TestInstallSlowDownload(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveChunked(img, 128<<10, 10*time.Millisecond))
+	target := existingTarget(t, []byte("old"))
+
+	cfg := newConfig(t)
+	cfg.StallTimeout = 2 * time.Second
+	report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+	assertSuccess(t, report, 7)
+	assertContent(t, target, img)
+}
+
+func TestInstallChecksumMismatchLeavesTargetUntouched(t *testing.T) {
+	img, _ := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, []byte("the old operating system"))
+	before := takeSnapshot(t, target)
+	wrong := strings.Repeat("ab", 32)
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, wrong, target))
+	msg := assertError(t, report, 7, "checksum mismatch", "want "+wrong)
+	sum := sha256.Sum256(img)
+	if !strings.Contains(msg, "got "+hex.EncodeToString(sum[:])) {
+		t.Errorf("error message %q does not name the image's actual digest", msg)
+	}
+	assertUntouched(t, target, before)
+}
+
+func TestInstallChecksumMismatchDoesNotCreateTarget(t *testing.T) {
+	img, _ := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := filepath.Join(t.TempDir(), "disk")
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, strings.Repeat("0", 64), target))
+	assertError(t, report, 7, "checksum")
+	assertUntouched(t, target, snapshot{})
+}
+
+func TestInstallHTTPErrorStatus(t *testing.T) {
+	_, sum := testImage(t)
+	srv := newServer(t, http.NotFound)
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL+"/missing.raw", sum, target))
+	assertError(t, report, 7, "404", "downloading")
+	assertUntouched(t, target, before)
+}
+
+func TestInstallRejectsMalformedRequests(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	tests := []struct {
+		name   string
+		modify func(*agentv1.OSInstallationRequest)
+		want   string
+	}{
+		{"ftp URL", func(r *agentv1.OSInstallationRequest) {
+			r.ImageUrl = "ftp" + strings.TrimPrefix(srv.URL, "http")
+		}, "http or https"},
+		{"URL without scheme", func(r *agentv1.OSInstallationRequest) {
+			r.ImageUrl = strings.TrimPrefix(srv.URL, "http://")
+		}, "image_url"},
+		{"URL without host", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "http:///image.raw" }, "no host"},
+		{"unparsable URL", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "http://a b/%zz" }, "image_url"},
+		{"empty URL", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "" }, "image_url"},
+		{"short digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum[:63] }, "image_sha256"},
+		{"long digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum + "0" }, "image_sha256"},
+		{"non-hex digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = "zz" + sum[2:] }, "image_sha256"},
+		{"empty digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = "" }, "image_sha256"},
+		{"relative target", func(r *agentv1.OSInstallationRequest) { r.TargetDevice = "dev/sda" }, "target_device"},
+		{"empty target", func(r *agentv1.OSInstallationRequest) { r.TargetDevice = "" }, "target_device"},
+		{"generation 0", func(r *agentv1.OSInstallationRequest) { r.Generation = 0 }, "generation"},
+		{"negative generation", func(r *agentv1.OSInstallationRequest) { r.Generation = -3 }, "generation"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := request(srv.URL, sum, target)
+			tt.modify(req)
+			report := Install(t.Context(), newConfig(t), req)
+			assertError(t, report, req.Generation, "invalid installation request", tt.want)
+			if got := srv.requests.Load(); got != 0 {
+				t.Fatalf("server got %d requests, want none", got)
+			}
+			assertUntouched(t, target, before)
+		})
+	}
+}
+
+func TestInstallNilRequest(t *testing.T) {
+	report := Install(t.Context(), newConfig(t), nil)
+	assertError(t, report, 0, "no request")
+}
+
+func TestInstallRejectsInvalidConfig(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	tests := []struct {
+		name string
+		cfg  Config
+	}{
+		{"negative MaxImageBytes", Config{MaxImageBytes: -1}},
+		{"negative StallTimeout", Config{StallTimeout: -time.Second}},
+		{"missing WorkDir", Config{WorkDir: filepath.Join(t.TempDir(), "missing")}},
+		{"WorkDir is a file", Config{WorkDir: target}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.cfg.Validate(); err == nil {
+				t.Fatal("Validate() = nil, want an error")
+			}
+			report := Install(t.Context(), tt.cfg, request(srv.URL, sum, target))
+			assertError(t, report, 7, "configuration")
+			if got := srv.requests.Load(); got != 0 {
+				t.Fatalf("server got %d requests, want none", got)
+			}
+			assertUntouched(t, target, before)
+		})
+	}
+}
+
+func TestConfigValidateAcceptsZeroValue(t *testing.T) {
+	if err := (Config{}).Validate(); err != nil {
+		t.Fatalf("Config{}.Validate() = %v", err)
+	}
+}
+
+func TestInstallImageTooLarge(t *testing.T) {
+	img, sum := testImage(t)
+	for _, tt := range []struct {
+		name    string
+		handler http.HandlerFunc
+	}{
+		{"with Content-Length", serveImage(img)},
+		{"without Content-Length", serveChunked(img, 64<<10, 0)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, tt.handler)
+			target := existingTarget(t, []byte("old"))
+			before := takeSnapshot(t, target)
+
+			cfg := newConfig(t)
+			cfg.MaxImageBytes = int64(len(img)) - 1
+			report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+			assertError(t, report, 7, "larger than the limit of "+strconv.Itoa(len(img)-1))
+			assertUntouched(t, target, before)
+		})
+	}
+}
+
+func TestInstallImageExactlyAtLimit(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveChunked(img, 64<<10, 0))
+	target := existingTarget(t, nil)
+
+	cfg := newConfig(t)
+	cfg.MaxImageBytes = int64(len(img))
+	assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
+	assertContent(t, target, img)
+}
+
+func TestInstallEmptyImage(t *testing.T) {
+	srv := newServer(t, serveImage(nil))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+	sum := sha256.Sum256(nil)
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, hex.EncodeToString(sum[:]), target))
+	assertError(t, report, 7, "empty")
+	assertUntouched(t, target, before)
+}
+
+func TestInstallStalledDownload(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveStalling(t, img, 256<<10, nil))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	cfg := newConfig(t)
+	cfg.StallTimeout = 200 * time.Millisecond
+	start := time.Now()
+	report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+	elapsed := time.Since(start)
+	assertError(t, report, 7, "stalled", "200ms")
+	if elapsed > 3*time.Second {
+		t.Errorf("Install took %s to notice a stall of 200ms", elapsed)
+	}
+	assertUntouched(t, target, before)
+}
+
+func TestInstallStalledBeforeHeaders(t *testing.T) {
+	_, sum := testImage(t)
+	testDone := make(chan struct{})
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-testDone:
+		}
+	})
+	t.Cleanup(func() { close(testDone) })
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	cfg := newConfig(t)
+	cfg.StallTimeout = 200 * time.Millisecond
+	report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+	assertError(t, report, 7, "stalled", "waiting for the response")
+	assertUntouched(t, target, before)
+}
+
+func TestInstallCancelledMidDownload(t *testing.T) {
+	img, sum := testImage(t)
+	sent := make(chan struct{})
+	srv := newServer(t, serveStalling(t, img, 256<<10, sent))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	cfg := newConfig(t)
+	cfg.StallTimeout = time.Hour // only the cancellation can end it
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan *agentv1.OSInstallationReport, 1)
+	go func() { done <- Install(ctx, cfg, request(srv.URL, sum, target)) }()
+
+	select {
+	case <-sent:
+	case <-time.After(10 * time.Second):
+		t.Fatal("server never sent the first part of the image")
+	}
+	cancel()
+	var report *agentv1.OSInstallationReport
+	select {
+	case report = <-done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("Install did not return within 3s of the cancellation")
+	}
+	assertError(t, report, 7, "cancelled", "context canceled")
+	assertUntouched(t, target, before)
+}
+
+func TestInstallAlreadyCancelled(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	report := Install(ctx, newConfig(t), request(srv.URL, sum, target))
+	assertError(t, report, 7, "cancelled")
+	if got := srv.requests.Load(); got != 0 {
+		t.Errorf("server got %d requests, want none", got)
+	}
+	assertUntouched(t, target, before)
+}
+
+func TestInstallTargetIsDirectory(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := t.TempDir()
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, target))
+	assertError(t, report, 7, "writing image to "+target, "neither a device nor a regular file")
+	entries, err := os.ReadDir(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 0 {
+		t.Errorf("target directory was written to: %v", entries)
+	}
+}
+
+func TestInstallTargetInMissingDirectory(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := filepath.Join(t.TempDir(), "missing", "disk")
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, target))
+	assertError(t, report, 7, "writing image to "+target)
+}
+
+// TestInstallCharacterDevice writes to /dev/null, a device that must be
+// opened without O_CREATE or O_TRUNC. It cannot hold the image, so the
+// installation fails when syncing or verifying, never when opening.
+func TestInstallCharacterDevice(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, os.DevNull))
+	msg := assertError(t, report, 7)
+	if !strings.HasPrefix(msg, "syncing "+os.DevNull) && !strings.HasPrefix(msg, "verifying "+os.DevNull) {
+		t.Errorf("error message %q, want a sync or verification failure", msg)
+	}
+}
+
+func TestInstallRemovesStagingFile(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, nil)
+
+	for _, tt := range []struct {
+		name    string
+		sum     string
+		success bool
+	}{
+		{"success", sum, true},
+		{"failure", strings.Repeat("0", 64), false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			cfg := Config{WorkDir: dir, Logger: testLogger(t)}
+			report := Install(t.Context(), cfg, request(srv.URL, tt.sum, target))
+			if got := report.GetSuccess() != nil; got != tt.success {
+				t.Fatalf("success = %v, want %v: %v", got, tt.success, report)
+			}
+			assertEmptyDir(t, dir)
+		})
+	}
+}
+
+// TestInstallConcurrent runs installations to different targets at once,
+// which the agent does not do but which must not interfere (no shared
+// state).
+func TestInstallConcurrent(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	cfg := newConfig(t)
+
+	const n = 4
+	targets := make([]string, n)
+	reports := make(chan *agentv1.OSInstallationReport, n)
+	for i := range targets {
+		targets[i] = filepath.Join(t.TempDir(), "disk")
+		go func() { reports <- Install(t.Context(), cfg, request(srv.URL, sum, targets[i])) }()
+	}
+	for range n {
+		assertSuccess(t, <-reports, 7)
+	}
+	for _, target := range targets {
+		assertContent(t, target, img)
+	}
+}
+
+// TestVerifyTarget checks the read-back verification directly, as a
+// regular file cannot be made to lose writes.
+func TestVerifyTarget(t *testing.T) {
+	img, sum := testImage(t)
+	dir := t.TempDir()
+	write := func(name string, content []byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, content, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	corrupted := bytes.Clone(img)
+	corrupted[len(corrupted)/2] ^= 1
+
+	tests := []struct {
+		name   string
+		path   string
+		errMsg string // "" means success
+	}{
+		{"exact", write("exact", img), ""},
+		{"longer device", write("longer", append(bytes.Clone(img), 1, 2, 3)), ""},
+		{"short write", write("short", img[:len(img)-1]), "read back only"},
+		{"corrupted", write("corrupted", corrupted), "checksum mismatch"},
+		{"missing", filepath.Join(dir, "missing"), "no such file"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := verifyTarget(t.Context(), tt.path, int64(len(img)), sum)
+			switch {
+			case tt.errMsg == "" && err != nil:
+				t.Fatalf("verifyTarget() = %v, want nil", err)
+			case tt.errMsg != "" && err == nil:
+				t.Fatalf("verifyTarget() = nil, want an error mentioning %q", tt.errMsg)
+			case tt.errMsg != "" && !strings.Contains(err.Error(), tt.errMsg):
+				t.Fatalf("verifyTarget() = %v, want an error mentioning %q", err, tt.errMsg)
+			case err != nil && !strings.HasPrefix(err.Error(), "verifying "+tt.path):
+				t.Errorf("verifyTarget() = %v, want it to start with %q", err, "verifying "+tt.path)
+			}
+		})
+	}
+}
+
+// TestCheckStaged checks the re-read of the staging file that guards the
+// target against a staging directory that does not give back what was
+// written to it.
+func TestCheckStaged(t *testing.T) {
+	img, sum := testImage(t)
+	dir := t.TempDir()
+	corrupted := bytes.Clone(img)
+	corrupted[0] ^= 0x80
+	tests := []struct {
+		name    string
+		content []byte
+		errMsg  string // "" means success
+	}{
+		{"intact", img, ""},
+		{"truncated", img[:len(img)/2], "holds only"},
+		{"corrupted", corrupted, "does not hold the downloaded image: checksum mismatch"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f, err := os.CreateTemp(dir, "staged-*")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { f.Close() })
+			if _, err := f.Write(tt.content); err != nil {
+				t.Fatal(err)
+			}
+			// checkStaged must rewind by itself.
+			err = checkStaged(t.Context(), f, int64(len(img)), sum)
+			switch {
+			case tt.errMsg == "" && err != nil:
+				t.Fatalf("checkStaged() = %v, want nil", err)
+			case tt.errMsg != "" && (err == nil || !strings.Contains(err.Error(), tt.errMsg)):
+				t.Fatalf("checkStaged() = %v, want an error mentioning %q", err, tt.errMsg)
+			}
+		})
+	}
+}

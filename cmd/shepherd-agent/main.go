@@ -1,0 +1,81 @@
+// Command shepherd-agent is the small static binary Shepherd uploads to every
+// machine it takes over.
+//
+// Run without a mode (or with "takeover") it reads a TakeoverInit from stdin,
+// starts the agent daemon detached from the calling session and writes a
+// TakeoverResponse to stdout. Its exit status is 0 whenever a response was
+// written, including a TakeoverError; it is 1 only if not even that worked.
+// The "daemon" mode is started by the takeover and reads its configuration
+// from an inherited pipe; "version" prints the version.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/shepherd/shepherd/agent"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+func run(args []string) int {
+	mode := "takeover"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		mode, args = args[0], args[1:]
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	switch mode {
+	case "takeover":
+		return takeover(args, log)
+	case "daemon":
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+		defer stop()
+		if err := agent.RunDaemon(ctx, log); err != nil {
+			log.Error("agent daemon failed", "err", err)
+			return 1
+		}
+		return 0
+	case "version":
+		fmt.Println("shepherd-agent", agent.Version())
+		return 0
+	default:
+		fmt.Fprintf(os.Stderr, "shepherd-agent: unknown mode %q (want takeover, daemon or version)\n", mode)
+		return 2
+	}
+}
+
+func takeover(args []string, log *slog.Logger) int {
+	var cfg agent.Config
+	fs := flag.NewFlagSet("takeover", flag.ContinueOnError)
+	fs.StringVar(&cfg.StateDir, "state-dir", "", "daemon state directory (default /var/lib/shepherd-agent)")
+	reboot := fs.String("reboot-command", "", "command run to reboot after an installation, split on spaces (default \"reboot\")")
+	fs.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", 0, "heartbeat interval until the server says otherwise (default 30s)")
+	fs.DurationVar(&cfg.StdinTimeout, "stdin-timeout", 0, "how long to wait for the TakeoverInit on stdin (default 10s)")
+	fs.StringVar(&cfg.HardwareRoot, "hardware-root", "", "where /proc and /sys are read from (default /)")
+	fs.StringVar(&cfg.Install.WorkDir, "work-dir", "", "where images are staged while they download (default $TMPDIR)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *reboot != "" {
+		cfg.RebootCommand = strings.Fields(*reboot)
+	}
+	cfg.Logger = log
+	exe, err := os.Executable()
+	if err != nil {
+		log.Error("finding the agent binary", "err", err)
+		return 1
+	}
+	if err := agent.Takeover(context.Background(), cfg, exe, os.Stdin, os.Stdout); err != nil {
+		log.Error("takeover", "err", err)
+		return 1
+	}
+	return 0
+}

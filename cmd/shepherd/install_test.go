@@ -1,0 +1,129 @@
+package main
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/google/uuid"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/shepherd/shepherd/agent"
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/devpki"
+)
+
+func TestInstallRequest(t *testing.T) {
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	sha := strings.Repeat("AB", 32)
+	args := func(machine, url, sum, target string) []string {
+		return []string{"install", "request", "--database-url", db.URL, "--machine", machine,
+			"--image-url", url, "--sha256", sum, "--target-device", target}
+	}
+	for name, a := range map[string][]string{
+		"machine not a uuid": args("m1", "https://img.example/os.img", sha, "/dev/sda"),
+		"unknown machine":    args(uuid.NewString(), "https://img.example/os.img", sha, "/dev/sda"),
+		"ftp url":            args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"),
+		"short sha256":       args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"),
+		"relative target":    args(m.String(), "https://img.example/os.img", sha, "sda"),
+		"missing flag":       {"install", "request", "--database-url", db.URL, "--machine", m.String()},
+	} {
+		if out, err := run(t, a...); err == nil {
+			t.Errorf("%s: accepted:\n%s", name, out)
+		} else {
+			t.Logf("%s: %v", name, err)
+		}
+	}
+	if in, err := db.GetInstallation(t.Context(), m); err != nil || in.RequestGeneration != 0 {
+		t.Fatalf("bad requests changed the installation: %+v, %v", in, err)
+	}
+	for gen := 1; gen <= 2; gen++ {
+		out, err := run(t, append(args(m.String(), "https://img.example/os.img", sha, "/dev/sda"), "--reboot")...)
+		if err != nil || !strings.Contains(out, fmt.Sprintf("generation %d", gen)) {
+			t.Fatalf("request %d: %v\n%s", gen, err, out)
+		}
+	}
+	in, err := db.GetInstallation(t.Context(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var req agentv1.OSInstallationRequest
+	if err := proto.Unmarshal(in.Request, &req); err != nil {
+		t.Fatal(err)
+	}
+	if in.RequestGeneration != 2 || req.GetImageSha256() != strings.ToLower(sha) || !req.GetRebootAfter() || req.GetTargetDevice() != "/dev/sda" {
+		t.Errorf("stored request generation %d: %v", in.RequestGeneration, &req)
+	}
+	out, err := run(t, "install", "status", "--database-url", db.URL, "--machine", m.String())
+	if err != nil || !strings.Contains(out, "generation 2") || !strings.Contains(out, "pending") {
+		t.Errorf("status: %v\n%s", err, out)
+	}
+}
+
+func TestRunServer(t *testing.T) {
+	db := bmdbtest.New(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	dataDir := t.TempDir()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		cmd := newRootCommand()
+		cmd.SetArgs([]string{"run", "--components", "server", "--database-url", db.URL,
+			"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn"})
+		done <- cmd.ExecuteContext(ctx)
+	}()
+	// Wait for the development CA, then for the listener.
+	caPath := filepath.Join(dataDir, devpki.CACertFile)
+	var ca *x509.Certificate
+	bmdbtest.WaitFor(t, 20*time.Second, "server up", func(ctx context.Context) (bool, error) {
+		data, err := os.ReadFile(caPath)
+		if err != nil {
+			return false, err
+		}
+		b, _ := pem.Decode(data)
+		if b == nil {
+			return false, errors.New("no PEM in the CA file yet")
+		}
+		if ca, err = x509.ParseCertificate(b.Bytes); err != nil {
+			return false, err
+		}
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil, err
+	})
+	_, key, _ := ed25519.GenerateKey(rand.Reader)
+	id := uuid.NewString()
+	tlsCfg, err := agent.ClientTLS(id, addr, ca.Raw, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = agent.NewCallbackClient(addr, tlsCfg).Heartbeat(ctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id}))
+	if connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("heartbeat of an unknown machine: %v, want Unauthenticated", err)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("shepherd run: %v", err)
+	}
+}

@@ -1,0 +1,68 @@
+package server
+
+import (
+	"crypto/ed25519"
+	"testing"
+
+	"github.com/google/uuid"
+	"google.golang.org/protobuf/proto"
+
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+)
+
+// FuzzParseHeartbeat feeds arbitrary bytes through what the server does with
+// a request body: decode it, then validate and convert it. Nothing may panic,
+// and whatever is accepted must be what the agent sent.
+func FuzzParseHeartbeat(f *testing.F) {
+	id := uuid.NewString()
+	seeds := []*agentv1.HeartbeatRequest{
+		{MachineId: id},
+		{MachineId: id, AgentVersion: "v1.2.3", HardwareReport: &agentv1.HardwareReport{
+			Cpu: &agentv1.CPU{Threads: 8}, MemoryBytes: 1 << 34,
+			BlockDevices: []*agentv1.BlockDevice{{Name: "sda", SizeBytes: 1 << 40}},
+			Warnings:     []string{"reading x: denied"},
+		}},
+		{MachineId: id, InstallationReport: &agentv1.OSInstallationReport{Generation: 3,
+			Result: &agentv1.OSInstallationReport_Error{Error: &agentv1.InstallationError{Message: "checksum mismatch"}}}},
+		{MachineId: "not-a-uuid"},
+	}
+	for _, s := range seeds {
+		b, err := proto.Marshal(s)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Add([]byte{0xff, 0xff, 0xff})
+	key := make(ed25519.PublicKey, ed25519.PublicKeySize)
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var req agentv1.HeartbeatRequest
+		if err := proto.Unmarshal(body, &req); err != nil {
+			return // the RPC layer answers InvalidArgument
+		}
+		hb, err := parseHeartbeat(&req, key)
+		if err != nil {
+			return
+		}
+		if want, err := uuid.Parse(req.GetMachineId()); err != nil || hb.MachineID != want {
+			t.Fatalf("accepted machine id %q as %s", req.GetMachineId(), hb.MachineID)
+		}
+		if (hb.Hardware != nil) != (req.GetHardwareReport() != nil) {
+			t.Fatal("hardware report lost or invented")
+		}
+		if hb.Hardware != nil {
+			var back agentv1.HardwareReport
+			if err := proto.Unmarshal(hb.Hardware.Raw, &back); err != nil || !proto.Equal(&back, req.GetHardwareReport()) {
+				t.Fatalf("stored hardware report does not round-trip: %v", err)
+			}
+			if hb.Hardware.CPUThreads < 0 || hb.Hardware.MemoryBytes < 0 || hb.Hardware.DiskCount < 0 || hb.Hardware.DiskBytes < 0 {
+				t.Fatalf("negative extracted values: %+v", hb.Hardware)
+			}
+		}
+		if in := hb.Installation; in != nil {
+			if in.Generation <= 0 || in.Success == (in.Error != "" || req.GetInstallationReport().GetError() != nil) {
+				t.Fatalf("installation report %+v from %v", in, req.GetInstallationReport())
+			}
+		}
+	})
+}

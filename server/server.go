@@ -1,0 +1,236 @@
+// Package server is the agent callback server (SPEC §4.5): it serves the
+// heartbeat RPC over TLS, authenticates every agent by the key of its client
+// certificate against the machine's AgentStarted tag, records heartbeats in
+// batches, stores the reports agents send, and hands out pending
+// installation requests.
+package server
+
+import (
+	"cmp"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/devpki"
+)
+
+// Config configures the callback server. Zero values mean defaults.
+type Config struct {
+	// Listen is the TCP address to listen on; default ":7443".
+	Listen string
+	// CertFile and KeyFile hold the server's certificate (chain) and key in
+	// PEM. Both empty: use the development CA in DataDir.
+	CertFile, KeyFile string
+	// CAFile is the PEM CA certificate agents should verify the server
+	// against (put into TakeoverInit); with certificate files and no CAFile,
+	// agents use their system roots.
+	CAFile string
+	// DataDir keeps the development CA and server certificate between runs;
+	// required unless CertFile and KeyFile are set.
+	DataDir string
+	// Hosts are the DNS names and IP addresses the development server
+	// certificate covers; default localhost, 127.0.0.1, ::1 and the hostname.
+	Hosts []string
+	// HeartbeatInterval is how often agents are told to send heartbeats;
+	// default 30s.
+	HeartbeatInterval time.Duration
+	// MaxRequestBytes bounds one heartbeat request; larger ones are rejected
+	// with ResourceExhausted. Default 1 MiB.
+	MaxRequestBytes int
+	// MaxBatch bounds how many heartbeats share one transaction; default 1000.
+	MaxBatch int
+	// Flushers is how many batch transactions may run at once; default 4.
+	Flushers int
+	// Unbatched writes every heartbeat in its own transaction. It exists as
+	// the baseline `make bench` compares batching against.
+	Unbatched bool
+	// Registerer receives the server's metrics; nil keeps them private.
+	Registerer prometheus.Registerer
+	// Logger receives the server's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c Config) Validate() error {
+	switch {
+	case (c.CertFile == "") != (c.KeyFile == ""):
+		return errors.New("server: CertFile and KeyFile must be given together")
+	case c.CertFile == "" && c.DataDir == "":
+		return errors.New("server: DataDir is required for the development CA when no CertFile and KeyFile are given")
+	case c.HeartbeatInterval < 0:
+		return fmt.Errorf("server: HeartbeatInterval must be >= 0 (0 = default), got %s", c.HeartbeatInterval)
+	case c.MaxRequestBytes < 0:
+		return fmt.Errorf("server: MaxRequestBytes must be >= 0 (0 = default), got %d", c.MaxRequestBytes)
+	case c.MaxBatch < 0:
+		return fmt.Errorf("server: MaxBatch must be >= 0 (0 = default), got %d", c.MaxBatch)
+	case c.Flushers < 0:
+		return fmt.Errorf("server: Flushers must be >= 0 (0 = default), got %d", c.Flushers)
+	}
+	return nil
+}
+
+// Server is the callback server. Create it with New and run it with Run.
+type Server struct {
+	cfg     Config
+	db      *bmdb.DB
+	log     *slog.Logger
+	metrics *metrics
+	tls     *tls.Config
+	ca      []byte
+	batch   *batcher
+
+	mu       sync.Mutex
+	listener net.Listener
+}
+
+// New validates cfg, loads or creates the server's TLS certificate and
+// returns a server that is not yet listening.
+func New(cfg Config, db *bmdb.DB) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Listen = cmp.Or(cfg.Listen, ":7443")
+	cfg.HeartbeatInterval = cmp.Or(cfg.HeartbeatInterval, 30*time.Second)
+	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, 1<<20)
+	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, 1000)
+	cfg.Flushers = cmp.Or(cfg.Flushers, 4)
+	if len(cfg.Hosts) == 0 {
+		cfg.Hosts = []string{"localhost", "127.0.0.1", "::1"}
+		if h, err := os.Hostname(); err == nil && h != "" {
+			cfg.Hosts = append(cfg.Hosts, h)
+		}
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reg := cfg.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	m, err := newMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, db: db, log: log.With("component", "server"), metrics: m}
+	if err := s.loadTLS(); err != nil {
+		return nil, err
+	}
+	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, m)
+	return s, nil
+}
+
+func (s *Server) loadTLS() error {
+	var cert tls.Certificate
+	if s.cfg.CertFile != "" {
+		var err error
+		cert, err = tls.LoadX509KeyPair(s.cfg.CertFile, s.cfg.KeyFile)
+		if err != nil {
+			return fmt.Errorf("server: loading certificate %s: %w", s.cfg.CertFile, err)
+		}
+		if s.cfg.CAFile != "" {
+			if s.ca, err = readPEMCertificate(s.cfg.CAFile); err != nil {
+				return err
+			}
+		}
+	} else {
+		pki, err := devpki.LoadOrCreate(s.cfg.DataDir, s.cfg.Hosts)
+		if err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
+		cert, s.ca = pki.Certificate, pki.CA
+	}
+	s.tls = &tls.Config{
+		Certificates: []tls.Certificate{cert},
+		// The client certificate is checked against the BMDB, not a chain:
+		// ask for one, verify possession of its key (TLS does), and let the
+		// handler decide, so that a missing one gets an RPC status.
+		ClientAuth: tls.RequestClientCert,
+		MinVersion: tls.VersionTLS13,
+		NextProtos: []string{"h2"},
+	}
+	return nil
+}
+
+// CA is the DER CA certificate agents should verify the server against (for
+// TakeoverInit.ca_certificate), or nil if they should use system roots.
+func (s *Server) CA() []byte { return s.ca }
+
+// Listen opens the listener, so that Addr is known before Run. Run calls it
+// if it has not been called.
+func (s *Server) Listen() (net.Addr, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.listener == nil {
+		ln, err := net.Listen("tcp", s.cfg.Listen)
+		if err != nil {
+			return nil, fmt.Errorf("server: listening on %s: %w", s.cfg.Listen, err)
+		}
+		s.listener = ln
+	}
+	return s.listener.Addr(), nil
+}
+
+// Run serves until ctx ends, then stops accepting connections, lets
+// in-flight heartbeats finish (at most 10 s) and returns nil.
+func (s *Server) Run(ctx context.Context) error {
+	addr, err := s.Listen()
+	if err != nil {
+		return err
+	}
+	path, handler := agentv1connect.NewAgentCallbackServiceHandler(&heartbeatHandler{s: s},
+		connect.WithReadMaxBytes(s.cfg.MaxRequestBytes))
+	mux := http.NewServeMux()
+	mux.Handle(path, s.observe(handler))
+	hs := &http.Server{
+		Handler:           mux,
+		TLSConfig:         s.tls,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       5 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		BaseContext:       func(net.Listener) context.Context { return context.WithoutCancel(ctx) },
+	}
+	batchCtx, stopBatch := context.WithCancel(context.WithoutCancel(ctx))
+	batchDone := make(chan struct{})
+	go func() {
+		defer close(batchDone)
+		s.batch.run(batchCtx)
+	}()
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- hs.ServeTLS(s.listener, "", "") }()
+	s.log.InfoContext(ctx, "callback server listening", "addr", addr.String())
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case err := <-serveErr:
+		runErr = fmt.Errorf("server: serving: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := hs.Shutdown(sctx); err != nil {
+		hs.Close()
+	}
+	// Handlers have returned: nothing waits on the batcher any more.
+	stopBatch()
+	<-batchDone
+	if runErr == nil {
+		if err := <-serveErr; err != nil && !errors.Is(err, http.ErrServerClosed) {
+			runErr = fmt.Errorf("server: serving: %w", err)
+		}
+	}
+	s.log.InfoContext(sctx, "callback server stopped")
+	return runErr
+}
