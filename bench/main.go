@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -31,6 +32,7 @@ type figure struct {
 }
 
 var figures = []figure{
+	{"P1", benchHeartbeats},
 	{"P2", benchClaimFinish},
 	{"P3", benchCandidateLatency},
 }
@@ -53,6 +55,9 @@ func (e *env) database(ctx context.Context, name string) (string, error) {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == loadgenMode {
+		os.Exit(loadgenMain(os.Args[2:]))
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx); err != nil {
@@ -82,6 +87,16 @@ func run(ctx context.Context) error {
 		return err
 	}
 	defer srv.Close()
+	if path := os.Getenv("BENCH_CPUPROFILE"); path != "" {
+		f, err := os.Create(path)
+		if err != nil {
+			return err
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	e := &env{srv: srv}
 	failed := 0
 	for _, f := range figures {

@@ -7,18 +7,23 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
-	"strconv"
-	"time"
 
-	"connectrpc.com/connect"
 	"github.com/google/uuid"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/shepherd/shepherd/agent/hwreport"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/bmdb"
 )
 
@@ -42,97 +47,151 @@ var rejectReasons = []string{
 // errUnauthenticated is the one answer for an unknown machine and for a key
 // that is not the machine's: telling them apart would let anyone probe which
 // machine ids exist.
-var errUnauthenticated = connect.NewError(connect.CodeUnauthenticated, errors.New("unknown machine or wrong agent key"))
+var errUnauthenticated = status.Error(codes.Unauthenticated, "unknown machine or wrong agent key")
+
+// heartbeatService describes the AgentCallbackService of agent.proto to
+// grpc-go. It is written here rather than generated so that the handler
+// receives the request undecoded: grpc-go would answer a request it cannot
+// decode with Internal, and SPEC §4.5 wants InvalidArgument.
+var heartbeatService = grpc.ServiceDesc{
+	ServiceName: agentv1connect.AgentCallbackServiceName,
+	HandlerType: (*any)(nil),
+	Methods: []grpc.MethodDesc{{
+		MethodName: "Heartbeat",
+		Handler: func(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+			var body rawMessage
+			if err := dec(&body); err != nil {
+				return nil, err
+			}
+			return srv.(*heartbeatHandler).heartbeat(ctx, body)
+		},
+	}},
+	Metadata: "agent/v1/agent.proto",
+}
+
+// rawMessage is a request body as it came off the wire.
+type rawMessage []byte
+
+// codec is the server's message codec: protobuf for responses, and the raw
+// bytes for requests, which the handler decodes itself.
+type codec struct{}
+
+var _ encoding.CodecV2 = codec{}
+
+func (codec) Name() string { return "proto" }
+
+func (codec) Marshal(v any) (mem.BufferSlice, error) {
+	m, ok := v.(proto.Message)
+	if !ok {
+		return nil, fmt.Errorf("server: cannot marshal %T", v)
+	}
+	b, err := proto.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	return mem.BufferSlice{mem.SliceBuffer(b)}, nil
+}
+
+func (codec) Unmarshal(data mem.BufferSlice, v any) error {
+	switch m := v.(type) {
+	case *rawMessage:
+		*m = data.Materialize()
+		return nil
+	case proto.Message:
+		return proto.Unmarshal(data.Materialize(), m)
+	}
+	return fmt.Errorf("server: cannot unmarshal into %T", v)
+}
 
 type ctxKey int
 
 const outcomeKey ctxKey = iota
 
-// outcome carries a request's client certificates to the handler, and what
-// the handler decided back to the metrics middleware (nothing, if the
-// request never reached the handler).
+// outcome is what the handler decided about one RPC, for the metrics; it
+// stays empty when the request never reached the handler.
 type outcome struct {
-	peerCerts []*x509.Certificate
-	reached   bool
-	reason    string // empty: accepted
+	reached bool
+	reason  string // empty: accepted
 }
 
-// observe wraps the RPC handler with the request metrics: latency, and
-// accepted or rejected with a reason. Requests rejected before the handler
-// (too large, malformed) are classified by the RPC status of the response.
-func (s *Server) observe(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		start := time.Now()
-		o := &outcome{}
-		if r.TLS != nil {
-			o.peerCerts = r.TLS.PeerCertificates
-		}
-		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), outcomeKey, o)))
-		s.metrics.latency.Observe(time.Since(start).Seconds())
-		reason := o.reason
-		if !o.reached {
-			reason = reasonFromResponse(w)
-		}
-		if reason == "" {
-			s.metrics.accepted.Inc()
-		} else {
-			s.metrics.rejected.WithLabelValues(reason).Inc()
-		}
-	})
+// observer is a grpc-go stats handler that counts every heartbeat RPC,
+// including those refused before the handler (too large), and times it.
+type observer struct {
+	m *metrics
 }
 
-// reasonFromResponse classifies a response the handler did not produce by
-// its gRPC status (header or trailer) or, for the Connect protocol, its HTTP
-// status.
-func reasonFromResponse(w http.ResponseWriter) string {
-	h := w.Header()
-	st := h.Get("Grpc-Status")
-	if st == "" {
-		st = h.Get(http.TrailerPrefix + "Grpc-Status")
-	}
-	if code, err := strconv.Atoi(st); err == nil {
-		switch connect.Code(code) {
-		case connect.CodeResourceExhausted:
-			return reasonTooLarge
-		case connect.CodeInvalidArgument, connect.CodeInternal:
-			return reasonInvalid
-		}
-		return reasonOther
-	}
-	return reasonOther
+func (o *observer) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, outcomeKey, &outcome{})
 }
+
+func (o *observer) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	end, ok := s.(*stats.End)
+	if !ok {
+		return
+	}
+	o.m.latency.Observe(end.EndTime.Sub(end.BeginTime).Seconds())
+	out, _ := ctx.Value(outcomeKey).(*outcome)
+	reason := ""
+	switch {
+	case out != nil && out.reached:
+		reason = out.reason
+	case end.Error == nil:
+	default:
+		switch status.Code(end.Error) {
+		case codes.ResourceExhausted:
+			reason = reasonTooLarge
+		case codes.InvalidArgument:
+			reason = reasonInvalid
+		default:
+			reason = reasonOther
+		}
+	}
+	if reason == "" {
+		o.m.accepted.Inc()
+	} else {
+		o.m.rejected.WithLabelValues(reason).Inc()
+	}
+}
+
+func (o *observer) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+func (o *observer) HandleConn(context.Context, stats.ConnStats)                       {}
 
 // heartbeatHandler implements the AgentCallbackService.
 type heartbeatHandler struct {
 	s *Server
 }
 
-// Heartbeat authenticates the agent, records its heartbeat and reports in
+// heartbeat authenticates the agent, records its heartbeat and reports in
 // the next batch, and returns any pending installation request.
-func (h *heartbeatHandler) Heartbeat(ctx context.Context, req *connect.Request[agentv1.HeartbeatRequest]) (*connect.Response[agentv1.HeartbeatResponse], error) {
+func (h *heartbeatHandler) heartbeat(ctx context.Context, body rawMessage) (*agentv1.HeartbeatResponse, error) {
 	o, _ := ctx.Value(outcomeKey).(*outcome)
 	if o == nil {
 		o = &outcome{}
 	}
 	o.reached = true
-	key, err := clientKey(o.peerCerts)
-	if err != nil {
-		o.reason = err.reason
-		return nil, err.err
+	key, rej := clientKey(ctx)
+	if rej != nil {
+		o.reason = rej.reason
+		return nil, rej.err
 	}
-	hb, verr := parseHeartbeat(req.Msg, key)
-	if verr != nil {
+	var req agentv1.HeartbeatRequest
+	if err := proto.Unmarshal(body, &req); err != nil {
 		o.reason = reasonInvalid
-		return nil, connect.NewError(connect.CodeInvalidArgument, verr)
+		return nil, status.Errorf(codes.InvalidArgument, "malformed HeartbeatRequest: %v", err)
 	}
-	res, err2 := h.s.batch.submit(ctx, hb, h.s.cfg.Unbatched)
-	if err2 != nil {
+	hb, err := parseHeartbeat(&req, key)
+	if err != nil {
+		o.reason = reasonInvalid
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	res, err := h.s.batch.submit(ctx, hb, h.s.cfg.Unbatched)
+	if err != nil {
 		o.reason = reasonUnavailable
 		if ctx.Err() != nil {
-			return nil, connect.NewError(connect.CodeCanceled, ctx.Err())
+			return nil, status.FromContextError(ctx.Err()).Err()
 		}
-		h.s.log.ErrorContext(ctx, "recording heartbeat", "machine_id", hb.MachineID.String(), "err", err2)
-		return nil, connect.NewError(connect.CodeUnavailable, errors.New("recording heartbeat failed; try again"))
+		h.s.log.ErrorContext(ctx, "recording heartbeat", "machine_id", hb.MachineID.String(), "err", err)
+		return nil, status.Error(codes.Unavailable, "recording heartbeat failed; try again")
 	}
 	if !res.Accepted {
 		o.reason = reasonUnauthenticated
@@ -151,7 +210,7 @@ func (h *heartbeatHandler) Heartbeat(ctx context.Context, req *connect.Request[a
 			resp.InstallationRequest = &ir
 		}
 	}
-	return connect.NewResponse(resp), nil
+	return resp, nil
 }
 
 type rejection struct {
@@ -159,16 +218,22 @@ type rejection struct {
 	err    error
 }
 
-// clientKey returns the ed25519 key of the client certificate the request
-// came with. Possession of the key was proven by the TLS handshake; whose
-// key it is, the BMDB decides.
-func clientKey(certs []*x509.Certificate) (ed25519.PublicKey, *rejection) {
+// clientKey returns the ed25519 key of the client certificate the RPC came
+// with. Possession of the key was proven by the TLS handshake; whose key it
+// is, the BMDB decides.
+func clientKey(ctx context.Context) (ed25519.PublicKey, *rejection) {
+	var certs []*x509.Certificate
+	if p, ok := peer.FromContext(ctx); ok {
+		if info, ok := p.AuthInfo.(credentials.TLSInfo); ok {
+			certs = info.State.PeerCertificates
+		}
+	}
 	if len(certs) == 0 {
-		return nil, &rejection{reasonNoCertificate, connect.NewError(connect.CodeUnauthenticated, errors.New("no client certificate"))}
+		return nil, &rejection{reasonNoCertificate, status.Error(codes.Unauthenticated, "no client certificate")}
 	}
 	key, ok := certs[0].PublicKey.(ed25519.PublicKey)
 	if !ok {
-		return nil, &rejection{reasonUnsupportedKey, connect.NewError(connect.CodeUnauthenticated, errors.New("client certificate key is not ed25519"))}
+		return nil, &rejection{reasonUnsupportedKey, status.Error(codes.Unauthenticated, "client certificate key is not ed25519")}
 	}
 	return key, nil
 }

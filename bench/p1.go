@@ -1,0 +1,409 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+
+	"github.com/shepherd/shepherd/agent"
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/server"
+)
+
+// p1Agents are the fleet sizes P1 is measured at.
+var p1Agents = []int{1_000, 10_000}
+
+const (
+	p1Target  = 20_000.0
+	p1Warmup  = 3 * time.Second
+	p1Measure = 10 * time.Second
+)
+
+// loadgenMode is the first argument that makes the bench binary a P1 load
+// generator instead of the benchmark.
+const loadgenMode = "p1-loadgen"
+
+// benchHeartbeats is P1: heartbeats per second accepted by one callback
+// server from 1,000 and 10,000 simulated agents, each with its own key and
+// TLS connection, sending heartbeats back to back over gRPC; batched, and
+// against a baseline server that writes each heartbeat in its own
+// transaction. The agents run in a second process of this binary, so that
+// the CPU the server, PostgreSQL and the load generator each use can be
+// told apart: all three share this machine's cores.
+func benchHeartbeats(ctx context.Context, e *env) error {
+	url, err := e.database(ctx, "p1")
+	if err != nil {
+		return err
+	}
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, MaxConns: 64})
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := raiseFileLimit(slices.Max(p1Agents) + 1000); err != nil {
+		return err
+	}
+	ids, err := newAgents(ctx, db, slices.Max(p1Agents))
+	if err != nil {
+		return err
+	}
+	for _, n := range p1Agents {
+		batched, err := runHeartbeats(ctx, e, db, ids[:n], false)
+		if err != nil {
+			return fmt.Errorf("%d agents, batched: %w", n, err)
+		}
+		single, err := runHeartbeats(ctx, e, db, ids[:n], true)
+		if err != nil {
+			return fmt.Errorf("%d agents, one transaction each: %w", n, err)
+		}
+		report("P1", "heartbeats_per_s", batched.perSecond,
+			"baseline", single.perSecond, "ratio", batched.perSecond/single.perSecond,
+			"limit", p1Target, "limit_ratio", batched.perSecond/p1Target,
+			"agents", n, "mean_batch", batched.meanBatch, "p99_ms", batched.p99ms,
+			"server_cpu_us", batched.serverCPUus, "postgres_cpu_us", batched.pgCPUus, "loadgen_cpu_us", batched.loadgenCPUus,
+			"baseline_server_cpu_us", single.serverCPUus, "baseline_postgres_cpu_us", single.pgCPUus,
+			"seconds", p1Measure.Seconds())
+	}
+	return nil
+}
+
+// agentKey is the key of simulated agent i: derived, so that the load
+// generator process can rebuild it from the index alone.
+func agentKey(i int) ed25519.PrivateKey {
+	seed := sha256.Sum256([]byte("shepherd-bench-agent-" + strconv.Itoa(i)))
+	return ed25519.NewKeyFromSeed(seed[:])
+}
+
+// newAgents adds n machines whose agents were started with agentKey(i)
+// through the BMDB API and returns their ids.
+func newAgents(ctx context.Context, db *bmdb.DB, n int) ([]uuid.UUID, error) {
+	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench-setup"})
+	if err != nil {
+		return nil, err
+	}
+	defer s.Close(ctx)
+	ids := make([]uuid.UUID, 0, n)
+	for len(ids) < n {
+		chunk := min(1000, n-len(ids))
+		var added []uuid.UUID
+		err := s.Transact(ctx, func(ctx context.Context, tx *bmdb.Tx) error {
+			added = added[:0]
+			for i := range chunk {
+				k := len(ids) + i
+				id, err := tx.AddMachine(ctx, bmdb.Provided{Provider: "sim", ProviderID: fmt.Sprintf("agent-%d", k)})
+				if err != nil {
+					return err
+				}
+				if err := tx.SetAgentStarted(ctx, id, agentKey(k).Public().(ed25519.PublicKey)); err != nil {
+					return err
+				}
+				added = append(added, id)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		ids = append(ids, added...)
+	}
+	return ids, nil
+}
+
+type heartbeatResult struct {
+	perSecond    float64
+	meanBatch    float64
+	p99ms        float64
+	serverCPUus  float64 // CPU of the server process per accepted heartbeat
+	pgCPUus      float64 // CPU of PostgreSQL per accepted heartbeat
+	loadgenCPUus float64 // CPU of the load generator per accepted heartbeat
+}
+
+// runHeartbeats starts a callback server, has the load generator connect
+// every agent and send heartbeats back to back, and measures what the
+// server accepted (and the CPU everyone used) in the measuring window.
+func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, unbatched bool) (heartbeatResult, error) {
+	reg := prometheus.NewRegistry()
+	dir, err := os.MkdirTemp("", "shepherd-bench-p1-")
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	defer os.RemoveAll(dir)
+	srv, err := server.New(server.Config{
+		Listen: "127.0.0.1:0", DataDir: dir, Registerer: reg, Unbatched: unbatched, HeartbeatInterval: time.Second,
+	}, db)
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	addr, err := srv.Listen()
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	srvCtx, stopSrv := context.WithCancel(ctx)
+	srvDone := make(chan error, 1)
+	go func() { srvDone <- srv.Run(srvCtx) }()
+	defer func() {
+		stopSrv()
+		<-srvDone
+	}()
+
+	caPath, idsPath := filepath.Join(dir, "ca.der"), filepath.Join(dir, "agents")
+	if err := os.WriteFile(caPath, srv.CA(), 0o600); err != nil {
+		return heartbeatResult{}, err
+	}
+	var lines strings.Builder
+	for _, id := range ids {
+		lines.WriteString(id.String() + "\n")
+	}
+	if err := os.WriteFile(idsPath, []byte(lines.String()), 0o600); err != nil {
+		return heartbeatResult{}, err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	cmd := exec.CommandContext(ctx, exe, loadgenMode, "-endpoint", addr.String(), "-ca", caPath, "-agents", idsPath)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return heartbeatResult{}, err
+	}
+	defer func() {
+		stdin.Close()
+		_ = cmd.Wait()
+	}()
+	out := bufio.NewScanner(stdout)
+	expect := func(word string) (string, error) {
+		if !out.Scan() {
+			return "", fmt.Errorf("load generator ended early (waiting for %s)", word)
+		}
+		if line := out.Text(); strings.HasPrefix(line, word) {
+			return line, nil
+		} else {
+			return "", fmt.Errorf("load generator: %s", line)
+		}
+	}
+	if _, err := expect("READY"); err != nil {
+		return heartbeatResult{}, err
+	}
+	if _, err := io.WriteString(stdin, "GO\n"); err != nil {
+		return heartbeatResult{}, err
+	}
+	sleepCtx(ctx, p1Warmup)
+	acc0, batches0, sum0 := serverCounts(reg)
+	srv0, pg0, lg0 := processCPU(), postgresCPU(e.srv.DataDir()), pidCPUOrZero(cmd.Process.Pid)
+	start := time.Now()
+	sleepCtx(ctx, p1Measure)
+	acc1, batches1, sum1 := serverCounts(reg)
+	srv1, pg1, lg1 := processCPU(), postgresCPU(e.srv.DataDir()), pidCPUOrZero(cmd.Process.Pid)
+	elapsed := time.Since(start)
+	p99 := latencyQuantile(reg, 0.99)
+	stdin.Close()
+	line, err := expect("DONE")
+	if err != nil {
+		return heartbeatResult{}, err
+	}
+	if line != "DONE failures=0" {
+		return heartbeatResult{}, fmt.Errorf("load generator: %s", line)
+	}
+	accepted := acc1 - acc0
+	if accepted == 0 {
+		return heartbeatResult{}, errors.New("no heartbeat accepted in the measuring window")
+	}
+	perBeat := func(d time.Duration) float64 { return float64(d.Microseconds()) / accepted }
+	res := heartbeatResult{
+		perSecond:    accepted / elapsed.Seconds(),
+		p99ms:        1000 * p99,
+		serverCPUus:  perBeat(srv1 - srv0),
+		pgCPUus:      perBeat(pg1 - pg0),
+		loadgenCPUus: perBeat(lg1 - lg0),
+	}
+	if batches1 > batches0 {
+		res.meanBatch = (sum1 - sum0) / (batches1 - batches0)
+	}
+	return res, nil
+}
+
+func pidCPUOrZero(pid int) time.Duration {
+	cpu, _, err := pidCPU(pid)
+	if err != nil {
+		return 0
+	}
+	return cpu
+}
+
+// loadgenMain is the load generator process: it connects every agent named
+// in the agents file, prints READY, sends heartbeats back to back from the
+// GO line on stdin until stdin closes, and prints DONE with the failures.
+func loadgenMain(args []string) int {
+	fs := flag.NewFlagSet(loadgenMode, flag.ContinueOnError)
+	endpoint := fs.String("endpoint", "", "callback server host:port")
+	caPath := fs.String("ca", "", "DER CA certificate of the server")
+	agentsPath := fs.String("agents", "", "file with one machine id per line; line i uses agentKey(i)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	fail := func(err error) int {
+		fmt.Println("ERROR", err)
+		return 1
+	}
+	ca, err := os.ReadFile(*caPath)
+	if err != nil {
+		return fail(err)
+	}
+	data, err := os.ReadFile(*agentsPath)
+	if err != nil {
+		return fail(err)
+	}
+	ids := strings.Fields(string(data))
+	if err := raiseFileLimit(len(ids) + 1000); err != nil {
+		return fail(err)
+	}
+	ctx := context.Background()
+	conns := make([]*grpc.ClientConn, len(ids))
+	defer func() {
+		for _, c := range conns {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	// Every agent has its own key and TLS connection, as on real machines.
+	// The load generator speaks gRPC with grpc-go, the cheapest client at
+	// hand; agents themselves use connect-go's gRPC client.
+	var g errgroup.Group
+	g.SetLimit(64)
+	for i, id := range ids {
+		g.Go(func() error {
+			tlsCfg, err := agent.ClientTLS(id, *endpoint, ca, agentKey(i))
+			if err != nil {
+				return err
+			}
+			if conns[i], err = grpc.NewClient(*endpoint, grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg))); err != nil {
+				return err
+			}
+			return heartbeat(ctx, conns[i], &agentv1.HeartbeatRequest{MachineId: id})
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return fail(fmt.Errorf("connecting agents: %w", err))
+	}
+	fmt.Println("READY")
+	in := bufio.NewScanner(os.Stdin)
+	if !in.Scan() || in.Text() != "GO" {
+		return fail(errors.New("no GO on stdin"))
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin) // until stdin closes
+		cancel()
+	}()
+	var failures atomic.Int64
+	var firstErr atomic.Value
+	var wg sync.WaitGroup
+	for i, id := range ids {
+		req := &agentv1.HeartbeatRequest{MachineId: id, AgentVersion: "bench"}
+		wg.Go(func() {
+			for runCtx.Err() == nil {
+				if err := heartbeat(runCtx, conns[i], req); err != nil && runCtx.Err() == nil {
+					failures.Add(1)
+					firstErr.CompareAndSwap(nil, err.Error())
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := failures.Load(); n > 0 {
+		fmt.Printf("DONE failures=%d first=%v\n", n, firstErr.Load())
+		return 0
+	}
+	fmt.Println("DONE failures=0")
+	return 0
+}
+
+// raiseFileLimit makes sure this process may open n files: every simulated
+// agent holds a connection, on each side. It raises the soft limit, and the
+// hard limit when running as root.
+func raiseFileLimit(n int) error {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return err
+	}
+	if lim.Cur >= uint64(n) {
+		return nil
+	}
+	want := syscall.Rlimit{Cur: uint64(n), Max: max(lim.Max, uint64(n))}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want); err != nil {
+		return fmt.Errorf("P1 needs %d open files but the limit is %d (hard %d): raise it, e.g. `ulimit -n %d`: %w", n, lim.Cur, lim.Max, n, err)
+	}
+	return nil
+}
+
+// heartbeat makes one heartbeat RPC on conn.
+func heartbeat(ctx context.Context, conn *grpc.ClientConn, req *agentv1.HeartbeatRequest) error {
+	return conn.Invoke(ctx, agentv1connect.AgentCallbackServiceHeartbeatProcedure, req, &agentv1.HeartbeatResponse{})
+}
+
+// serverCounts reads accepted heartbeats and the batch-size histogram's
+// count and sum from the server's registry.
+func serverCounts(reg *prometheus.Registry) (accepted, batches, batched float64) {
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		switch mf.GetName() {
+		case "shepherd_server_heartbeats_accepted_total":
+			accepted = mf.GetMetric()[0].GetCounter().GetValue()
+		case "shepherd_server_heartbeat_batch_size":
+			h := mf.GetMetric()[0].GetHistogram()
+			batches, batched = float64(h.GetSampleCount()), h.GetSampleSum()
+		}
+	}
+	return accepted, batches, batched
+}
+
+// latencyQuantile estimates a quantile of the server's request latency
+// from its histogram buckets (the upper bound of the bucket it falls in).
+func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "shepherd_server_heartbeat_duration_seconds" {
+			continue
+		}
+		h := mf.GetMetric()[0].GetHistogram()
+		want := q * float64(h.GetSampleCount())
+		for _, b := range h.GetBucket() {
+			if float64(b.GetCumulativeCount()) >= want {
+				return b.GetUpperBound()
+			}
+		}
+	}
+	return 0
+}
