@@ -22,8 +22,11 @@ GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
 all: build
 
+# The agent is static and stripped: it is uploaded to every machine.
 build:
 	$(GO) build ./...
+	$(GO) build -o bin/shepherd ./cmd/shepherd
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o bin/shepherd-agent ./cmd/shepherd-agent
 
 require-postgres:
 	@scripts/require-postgres
