@@ -96,7 +96,7 @@ func parseCPUInfo(data []byte) cpuInfo {
 			}
 		case isModelKey[key]:
 			if _, seen := models[key]; !seen && len(value) > 0 {
-				models[key] = validUTF8(truncate(string(value), maxModelLen))
+				models[key] = strings.TrimSpace(truncate(validUTF8(string(value)), maxModelLen))
 			}
 		}
 	}
