@@ -39,7 +39,8 @@ FUZZ_TARGETS := \
 	./agent:FuzzTakeoverInit \
 	./agent/hwreport:FuzzParseCPUInfo \
 	./agent/hwreport:FuzzParseCPUList \
-	./agent/hwreport:FuzzParseMemTotal
+	./agent/hwreport:FuzzParseMemTotal \
+	./provider/static:FuzzParse
 
 test: require-postgres
 	$(GO) test -race -count=1 ./...

@@ -33,6 +33,7 @@ type Candidates interface {
 
 	list(ctx context.Context, q *model.Queries, p Process, limit int32) ([]uuid.UUID, error)
 	count(ctx context.Context, q *model.Queries, p Process) (int64, error)
+	matching(ctx context.Context, q *model.Queries) (int64, error)
 	claim(ctx context.Context, q *model.Queries, c claimParams) (claimResult, error)
 }
 
@@ -67,6 +68,10 @@ func (c agentStartCandidates) list(ctx context.Context, q *model.Queries, p Proc
 func (c agentStartCandidates) count(ctx context.Context, q *model.Queries, p Process) (int64, error) {
 	return q.CountAgentStartCandidates(ctx, model.CountAgentStartCandidatesParams{
 		Provider: c.provider, Process: string(p), Exclusive: p.MachineExclusive()})
+}
+
+func (c agentStartCandidates) matching(ctx context.Context, q *model.Queries) (int64, error) {
+	return q.CountAgentStartMatching(ctx, c.provider)
 }
 
 func (c agentStartCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
@@ -124,6 +129,14 @@ func (c recoveryCandidates) count(ctx context.Context, q *model.Queries, p Proce
 	})
 }
 
+func (c recoveryCandidates) matching(ctx context.Context, q *model.Queries) (int64, error) {
+	return q.CountRecoveryMatching(ctx, model.CountRecoveryMatchingParams{
+		Provider:                c.provider,
+		FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
+		HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
+	})
+}
+
 func (c recoveryCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
 	if a.strategy == ClaimPlainLimit {
 		r, err := q.ClaimRecoveryCandidatePlain(ctx, model.ClaimRecoveryCandidatePlainParams{
@@ -172,6 +185,17 @@ func (db *DB) CountCandidates(ctx context.Context, process Process, c Candidates
 	n, err := c.count(ctx, db.q, process)
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: counting %s candidates for %s: %w", c, process, err)
+	}
+	return n, nil
+}
+
+// CountMatching counts the machines c selects by their tags alone,
+// ignoring work, backoff and quarantine: for recovery, how many machines are
+// silent, which the circuit breaker compares with the fleet.
+func (db *DB) CountMatching(ctx context.Context, c Candidates) (int64, error) {
+	n, err := c.matching(ctx, db.q)
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: counting machines matching %s: %w", c, err)
 	}
 	return n, nil
 }

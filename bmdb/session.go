@@ -249,9 +249,12 @@ var errSessionClosed = fmt.Errorf("session closed: %w", ErrSessionExpired)
 
 // KeepSession runs fn with a live session, and whenever that session is lost
 // (a database outage longer than the lease, a stalled process) closes it,
-// opens a new one and runs fn again. It returns nil once ctx is done, or the
-// error of fn if fn fails while its session is alive. fn must return when its
-// context, the session's, is done. Opening a session is retried with growing
+// opens a new one and runs fn again. fn must return when its context, the
+// session's, is done; it may also return because it found the session
+// expired before this process noticed (ErrSessionExpired from a call), which
+// KeepSession confirms with the database. KeepSession returns nil once ctx
+// is done or fn returns nil with its session alive, and the error of fn if
+// fn fails with its session alive. Opening a session is retried with growing
 // pauses while the database is unreachable.
 func (db *DB) KeepSession(ctx context.Context, cfg SessionConfig, fn func(ctx context.Context, s *Session) error) error {
 	if err := cfg.Validate(); err != nil {
@@ -274,6 +277,12 @@ func (db *DB) KeepSession(ctx context.Context, cfg SessionConfig, fn func(ctx co
 		pause = 100 * time.Millisecond
 		err = fn(s.Context(), s)
 		lost := s.Lost()
+		if !lost && ctx.Err() == nil {
+			// fn may have met the session's expiry before renewal did.
+			if alive, aerr := db.q.SessionAlive(ctx, s.id); aerr == nil && !alive {
+				lost = true
+			}
+		}
 		if cerr := s.Close(ctx); cerr != nil && !lost {
 			db.log.WarnContext(ctx, "closing session", "err", cerr)
 		}
@@ -282,10 +291,8 @@ func (db *DB) KeepSession(ctx context.Context, cfg SessionConfig, fn func(ctx co
 			return nil
 		case lost:
 			db.log.WarnContext(ctx, "session lost, starting a new one", "session_component", cfg.Component)
-		case err != nil:
-			return err
 		default:
-			return nil
+			return err
 		}
 	}
 }

@@ -534,6 +534,27 @@ func (q *Queries) CountAgentStartCandidates(ctx context.Context, arg CountAgentS
 	return count, err
 }
 
+const countAgentStartMatching = `-- name: CountAgentStartMatching :one
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingAgent'
+) c
+`
+
+// CountAgentStartMatching counts the machines the definition selects by
+// their tags alone, whatever works on them or waits in backoff (the
+// recoverer's circuit breaker looks at how many machines are silent, not at
+// how many it could work on).
+func (q *Queries) CountAgentStartMatching(ctx context.Context, provider string) (int64, error) {
+	row := q.db.QueryRow(ctx, countAgentStartMatching, provider)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const countRecoveryCandidates = `-- name: CountRecoveryCandidates :one
 SELECT count(*)
 FROM (
@@ -586,6 +607,43 @@ func (q *Queries) CountRecoveryCandidates(ctx context.Context, arg CountRecovery
 		arg.Process,
 		arg.Exclusive,
 	)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
+const countRecoveryMatching = `-- name: CountRecoveryMatching :one
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+          AND p.provider = $1
+) c
+`
+
+type CountRecoveryMatchingParams struct {
+	Provider                string
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+}
+
+// CountRecoveryMatching counts the machines the definition selects by
+// their tags alone, whatever works on them or waits in backoff (the
+// recoverer's circuit breaker looks at how many machines are silent, not at
+// how many it could work on).
+func (q *Queries) CountRecoveryMatching(ctx context.Context, arg CountRecoveryMatchingParams) (int64, error) {
+	row := q.db.QueryRow(ctx, countRecoveryMatching, arg.Provider, arg.FirstHeartbeatTimeoutMs, arg.HeartbeatTimeoutMs)
 	var count int64
 	err := row.Scan(&count)
 	return count, err

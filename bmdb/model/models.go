@@ -88,6 +88,12 @@ type Process struct {
 	MachineExclusive bool
 }
 
+type ProviderState struct {
+	Provider        string
+	LeaseSessionID  uuid.NullUUID
+	LeaseAcquiredAt *time.Time
+}
+
 type Session struct {
 	SessionID uuid.UUID
 	Component string

@@ -56,6 +56,19 @@ WHERE NOT EXISTS (
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
 
+-- name: CountAgentStartMatching :one
+-- CountAgentStartMatching counts the machines the definition selects by
+-- their tags alone, whatever works on them or waits in backoff (the
+-- recoverer's circuit breaker looks at how many machines are silent, not at
+-- how many it could work on).
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingAgent'
+) c;
+
 -- name: ClaimAgentStartCandidate :one
 -- ClaimAgentStartCandidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of
@@ -307,6 +320,29 @@ WHERE NOT EXISTS (
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
+
+-- name: CountRecoveryMatching :one
+-- CountRecoveryMatching counts the machines the definition selects by
+-- their tags alone, whatever works on them or waits in backoff (the
+-- recoverer's circuit breaker looks at how many machines are silent, not at
+-- how many it could work on).
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+          AND p.provider = @provider
+) c;
 
 -- name: ClaimRecoveryCandidate :one
 -- ClaimRecoveryCandidate claims the oldest free candidate for the process

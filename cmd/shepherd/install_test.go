@@ -92,7 +92,7 @@ func TestRunServer(t *testing.T) {
 		done <- cmd.ExecuteContext(ctx)
 	}()
 	// Wait for the development CA, then for the listener.
-	caPath := filepath.Join(dataDir, devpki.CACertFile)
+	caPath := filepath.Join(dataDir, "pki", devpki.CACertFile)
 	var ca *x509.Certificate
 	bmdbtest.WaitFor(t, 20*time.Second, "server up", func(ctx context.Context) (bool, error) {
 		data, err := os.ReadFile(caPath)

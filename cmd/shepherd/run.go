@@ -1,113 +1,30 @@
 package main
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
-	"slices"
-	"sort"
+	"path/filepath"
 	"strings"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
-	"golang.org/x/sync/errgroup"
+	"github.com/spf13/pflag"
 
 	"github.com/shepherd/shepherd/bmdb"
-	"github.com/shepherd/shepherd/server"
 )
 
-// component is one long-running part of Shepherd that `shepherd run` can
-// start; it runs until ctx ends.
-type component func(ctx context.Context, deps *runDeps) error
-
-// runDeps is what every component gets: the BMDB, the metrics registry and
-// the logger.
-type runDeps struct {
-	db  *bmdb.DB
-	reg prometheus.Registerer
-	log *slog.Logger
+// logFlags bind the logging flags.
+type logFlags struct {
+	format, level string
 }
 
-type runFlags struct {
-	db            databaseFlags
-	components    []string
-	logFormat     string
-	logLevel      string
-	metricsListen string
-	server        server.Config
+func (f *logFlags) bind(fl *pflag.FlagSet) {
+	fl.StringVar(&f.format, "log-format", "text", "log format: text or json")
+	fl.StringVar(&f.level, "log-level", "info", "log level: debug, info, warn or error")
 }
 
-func newRunCommand() *cobra.Command {
-	var f runFlags
-	components := map[string]component{
-		"server": func(ctx context.Context, d *runDeps) error {
-			cfg := f.server
-			cfg.Registerer, cfg.Logger = d.reg, d.log
-			srv, err := server.New(cfg, d.db)
-			if err != nil {
-				return err
-			}
-			return srv.Run(ctx)
-		},
-	}
-	names := make([]string, 0, len(components))
-	for n := range components {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-
-	cmd := &cobra.Command{
-		Use:   "run",
-		Short: "Run Shepherd's components against a BMDB until SIGINT or SIGTERM",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			var run []string
-			for _, c := range f.components {
-				for _, n := range strings.Split(c, ",") {
-					n = strings.TrimSpace(n)
-					if n == "" {
-						continue
-					}
-					if _, ok := components[n]; !ok {
-						return fmt.Errorf("--components: unknown component %q (known: %s)", n, strings.Join(names, ", "))
-					}
-					if !slices.Contains(run, n) {
-						run = append(run, n)
-					}
-				}
-			}
-			if len(run) == 0 {
-				return fmt.Errorf("--components: name at least one of %s", strings.Join(names, ", "))
-			}
-			log, err := newLogger(f.logFormat, f.logLevel)
-			if err != nil {
-				return err
-			}
-			return runComponents(cmd.Context(), &f, run, components, log)
-		},
-	}
-	f.db.bind(cmd)
-	fl := cmd.Flags()
-	fl.StringSliceVar(&f.components, "components", nil, "components to run, comma-separated: "+strings.Join(names, ", "))
-	fl.StringVar(&f.logFormat, "log-format", "text", "log format: text or json")
-	fl.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
-	fl.StringVar(&f.metricsListen, "metrics-listen", "", "address to serve Prometheus /metrics on (default: off)")
-	fl.StringVar(&f.server.Listen, "server-listen", ":7443", "callback server: TLS address agents send heartbeats to")
-	fl.StringVar(&f.server.CertFile, "server-cert", "", "callback server: PEM certificate (chain); empty: a development CA in --data-dir")
-	fl.StringVar(&f.server.KeyFile, "server-key", "", "callback server: PEM private key of --server-cert")
-	fl.StringVar(&f.server.CAFile, "server-ca", "", "callback server: PEM CA agents verify the server against (default: system roots)")
-	fl.StringVar(&f.server.DataDir, "data-dir", "", "directory for state such as the development CA")
-	fl.StringSliceVar(&f.server.Hosts, "server-hosts", nil, "callback server: names and addresses in the development certificate (default localhost, 127.0.0.1, ::1, hostname)")
-	fl.DurationVar(&f.server.HeartbeatInterval, "heartbeat-interval", 30*time.Second, "callback server: how often agents are told to send heartbeats")
-	return cmd
-}
+func (f *logFlags) logger() (*slog.Logger, error) { return newLogger(f.format, f.level) }
 
 func newLogger(format, level string) (*slog.Logger, error) {
 	var lv slog.Level
@@ -124,68 +41,114 @@ func newLogger(format, level string) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
 
-// runComponents opens the BMDB and runs the named components until ctx ends
-// or one of them fails, then stops them all.
-func runComponents(ctx context.Context, f *runFlags, run []string, components map[string]component, log *slog.Logger) error {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	url := f.db.url
-	if url == "" {
-		url = os.Getenv("SHEPHERD_DATABASE_URL")
-	}
-	if url == "" {
-		return errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
-	}
-	db, err := bmdb.Open(ctx, bmdb.Config{URL: url, Registerer: reg, Logger: log})
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	log.InfoContext(ctx, "BMDB open", "schema_version", db.SchemaVersion(), "components", strings.Join(run, ","))
+// bindStackFlags binds the flags of the components to cfg; `shepherd run`
+// and `shepherd dev` share them.
+func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
+	fl.StringVar(&cfg.MetricsListen, "metrics-listen", "", "address to serve Prometheus /metrics on (default: off)")
 
-	g, gctx := errgroup.WithContext(ctx)
-	if f.metricsListen != "" {
-		ln, err := net.Listen("tcp", f.metricsListen)
-		if err != nil {
-			return fmt.Errorf("--metrics-listen: %w", err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		g.Go(func() error {
-			<-gctx.Done()
-			sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), 5*time.Second)
-			defer cancel()
-			return hs.Shutdown(sctx)
-		})
-		g.Go(func() error {
-			if err := hs.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-				return fmt.Errorf("metrics: %w", err)
-			}
-			return nil
-		})
-		log.InfoContext(ctx, "serving metrics", "addr", ln.Addr().String())
-	}
-	deps := &runDeps{db: db, reg: reg, log: log}
-	for _, name := range run {
-		c := components[name]
-		g.Go(func() error {
-			if err := c(gctx, deps.with(name)); err != nil {
-				return fmt.Errorf("%s: %w", name, err)
-			}
-			return nil
-		})
-	}
-	err = g.Wait()
-	if err != nil && ctx.Err() == nil {
-		return err
-	}
-	log.Info("stopped")
-	return nil
+	fl.StringVar(&cfg.Server.Listen, "server-listen", ":7443", "callback server: TLS address agents send heartbeats to")
+	fl.StringVar(&cfg.Server.CertFile, "server-cert", "", "callback server: PEM certificate (chain); empty: a development CA in --data-dir")
+	fl.StringVar(&cfg.Server.KeyFile, "server-key", "", "callback server: PEM private key of --server-cert")
+	fl.StringVar(&cfg.Server.CAFile, "server-ca", "", "callback server: PEM CA agents verify the server against (default: system roots)")
+	fl.StringSliceVar(&cfg.Server.Hosts, "server-hosts", nil, "callback server: names and addresses in the development certificate (default localhost, 127.0.0.1, ::1, hostname)")
+	fl.DurationVar(&cfg.Server.HeartbeatInterval, "heartbeat-interval", 30*time.Second, "callback server: how often agents are told to send heartbeats")
+
+	fl.StringVar(&cfg.SSHUser, "ssh-user", "root", "SSH user for agent starts and reboots (providers may name another)")
+	fl.StringVar(&cfg.AgentEndpoint, "agent-endpoint", "", "callback server host:port as agents reach it (default: this process's server)")
+	fl.StringVar(&cfg.AgentCAFile, "agent-ca", "", "PEM CA agents verify the callback server with (default: this process's server CA)")
+
+	in := &cfg.Initializer
+	fl.IntVar(&in.Loop.Parallelism, "initializer-parallelism", 10, "initializer: machines taken over at once")
+	fl.Var(&in.Loop.QueryLimit, "initializer-query-limit", "initializer: candidate query rate as duration,burst (default 100ms,10)")
+	fl.DurationVar(&in.ConnectTimeout, "ssh-connect-timeout", 30*time.Second, "initializer: bound on dialing and the SSH handshake")
+	fl.DurationVar(&in.ExecTimeout, "ssh-exec-timeout", 2*time.Minute, "initializer: bound on uploading and starting the agent")
+	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
+
+	rc := &cfg.Recoverer
+	fl.IntVar(&rc.Loop.Parallelism, "recoverer-parallelism", 4, "recoverer: machines rebooted at once")
+	fl.Var(&rc.Loop.QueryLimit, "recoverer-query-limit", "recoverer: candidate query rate as duration,burst (default 100ms,10)")
+	fl.DurationVar(&rc.HeartbeatTimeout, "heartbeat-timeout", bmdb.DefaultHeartbeatTimeout, "recoverer: a machine is silent when its last heartbeat is older than this")
+	fl.DurationVar(&rc.FirstHeartbeatTimeout, "first-heartbeat-timeout", bmdb.DefaultFirstHeartbeatTimeout, "recoverer: a machine is silent when no heartbeat came this long after its agent started")
+	fl.IntVar(&rc.MaxRebootsPerWindow, "max-reboots-per-window", 0, "recoverer: reboot budget per window (0: 5% of the fleet, at least 1)")
+	fl.DurationVar(&rc.Window, "reboot-window", 10*time.Minute, "recoverer: the circuit breaker's window")
+	fl.Float64Var(&rc.SilentFraction, "silent-fraction", 0.25, "recoverer: no reboots while more than this fraction of started machines is silent")
+
+	pr := &cfg.Provisioner
+	fl.DurationVar(&pr.Period, "provisioner-period", 30*time.Second, "provisioner: time between reconcile passes")
+	fl.IntVar(&pr.MaxMachines, "max-machines", 0, "provisioner: cap on the provider's machines (0: no limit)")
+	fl.IntVar(&pr.ChunkSize, "chunk-size", 50, "provisioner: machines created per pass")
+	fl.Var(&pr.CreateLimit, "create-limit", "provisioner: creation rate as duration,burst (default 100ms,10)")
+	fl.Float64Var(&pr.SuspectFraction, "suspect-fraction", 0.2, "provisioner: ignore a listing that lacks more than this fraction of known machines")
 }
 
-func (d *runDeps) with(component string) *runDeps {
-	c := *d
-	c.log = d.log.With("component", component)
-	return &c
+func newRunCommand() *cobra.Command {
+	var (
+		db         databaseFlags
+		logs       logFlags
+		cfg        stackConfig
+		components []string
+		dataDir    string
+		provConfig string
+		agentPath  string
+	)
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "Run Shepherd's components against a BMDB until SIGINT or SIGTERM",
+		Long: "Runs the named components (" + strings.Join(allComponents, ", ") + ", or all) in one process.\n" +
+			"Any number of processes may run any components against the same BMDB.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			var err error
+			if cfg.Components, err = parseComponents(components); err != nil {
+				return err
+			}
+			log, err := logs.logger()
+			if err != nil {
+				return err
+			}
+			if provConfig != "" {
+				if cfg.ProviderConfig, err = os.ReadFile(provConfig); err != nil {
+					return fmt.Errorf("--provider-config: %w", err)
+				}
+			}
+			if dataDir == "" {
+				return fmt.Errorf("--data-dir is required (it keeps the SSH key and the development CA)")
+			}
+			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
+			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
+			cfg.Initializer.AgentPath = agentPath
+			if agentPath == "" {
+				cfg.Initializer.AgentPath = defaultAgentPath()
+			}
+			d, err := db.open(cmd.Context(), bmdb.SchemaMigrate)
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			s := &stack{cfg: cfg, db: d, reg: newRegistry(), log: log}
+			log.InfoContext(cmd.Context(), "starting", "components", strings.Join(cfg.Components, ","), "schema_version", d.SchemaVersion())
+			err = s.run(cmd.Context(), nil)
+			log.Info("stopped")
+			return err
+		},
+	}
+	db.bind(cmd)
+	fl := cmd.Flags()
+	logs.bind(fl)
+	fl.StringSliceVar(&components, "components", nil, "components to run, comma-separated: "+strings.Join(allComponents, ", ")+", or all")
+	fl.StringVar(&dataDir, "data-dir", "", "directory for the SSH key and the development CA (required)")
+	fl.StringVar(&cfg.Provider, "provider", "", "provider of the machines: "+strings.Join(providers().Names(), ", "))
+	fl.StringVar(&provConfig, "provider-config", "", "YAML configuration file of the provider")
+	fl.StringVar(&agentPath, "agent", "", "local agent binary to upload (default: shepherd-agent next to this binary)")
+	bindStackFlags(fl, &cfg)
+	return cmd
+}
+
+// defaultAgentPath is shepherd-agent next to the running binary.
+func defaultAgentPath() string {
+	exe, err := os.Executable()
+	if err != nil {
+		return "shepherd-agent"
+	}
+	return filepath.Join(filepath.Dir(exe), "shepherd-agent")
 }

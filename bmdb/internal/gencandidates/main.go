@@ -71,6 +71,16 @@ FROM (
 ) c
 WHERE {{$.Exclusions}};
 
+-- name: Count{{.Name}}Matching :one
+-- Count{{.Name}}Matching counts the machines the definition selects by
+-- their tags alone, whatever works on them or waits in backoff (the
+-- recoverer's circuit breaker looks at how many machines are silent, not at
+-- how many it could work on).
+SELECT count(*)
+FROM (
+{{.Select}}
+) c;
+
 -- name: Claim{{.Name}}Candidate :one
 -- Claim{{.Name}}Candidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of

@@ -1,0 +1,237 @@
+package bmdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// AcquireProviderLease gives the session the provisioning lease of
+// provider if nobody alive holds it (SPEC §3.2: one reconcile pass at a time
+// per provider). It reports whether the session holds the lease now. The
+// lease ends with ReleaseProviderLease or with the session.
+func (s *Session) AcquireProviderLease(ctx context.Context, provider string) (bool, error) {
+	var held bool
+	err := s.db.retry(ctx, func(ctx context.Context) error {
+		_, err := s.db.q.ProviderLeaseAcquire(ctx, model.ProviderLeaseAcquireParams{Provider: provider, SessionID: s.id})
+		if errors.Is(err, pgx.ErrNoRows) {
+			held = false
+			return nil
+		}
+		held = err == nil
+		return err
+	})
+	if err != nil {
+		return false, fmt.Errorf("bmdb: acquiring the provisioning lease of %s: %w", provider, err)
+	}
+	return held, nil
+}
+
+// ReleaseProviderLease gives up the session's provisioning lease of provider.
+func (s *Session) ReleaseProviderLease(ctx context.Context, provider string) error {
+	err := s.db.retry(ctx, func(ctx context.Context) error {
+		return s.db.q.ProviderLeaseRelease(ctx, model.ProviderLeaseReleaseParams{Provider: provider, SessionID: s.id})
+	})
+	if err != nil {
+		return fmt.Errorf("bmdb: releasing the provisioning lease of %s: %w", provider, err)
+	}
+	return nil
+}
+
+// ProvidedRef is a machine as the provisioner compares it with a provider's
+// listing.
+type ProvidedRef struct {
+	MachineID  uuid.UUID
+	ProviderID string
+	Status     ProviderStatus
+}
+
+// ListProvided returns every machine of provider, by provider id.
+func (db *DB) ListProvided(ctx context.Context, provider string) ([]ProvidedRef, error) {
+	rows, err := db.q.ProvidedList(ctx, provider)
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: listing machines of %s: %w", provider, err)
+	}
+	out := make([]ProvidedRef, len(rows))
+	for i, r := range rows {
+		out[i] = ProvidedRef{MachineID: r.MachineID, ProviderID: r.ProviderID, Status: ProviderStatus(r.ProviderStatus)}
+	}
+	return out, nil
+}
+
+// SetProviderStatus records status for the machines of provider with the
+// given provider ids and returns how many it changed.
+func (tx *Tx) SetProviderStatus(ctx context.Context, provider string, status ProviderStatus, providerIDs []string) (int64, error) {
+	n, err := tx.q.ProvidedSetStatus(ctx, model.ProvidedSetStatusParams{Provider: provider, ProviderStatus: string(status), ProviderIds: providerIDs})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: setting status %s on %d machines of %s: %w", status, len(providerIDs), provider, err)
+	}
+	return n, nil
+}
+
+// UpdateProvided refreshes what the provider says about one machine.
+func (tx *Tx) UpdateProvided(ctx context.Context, p Provided) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	var addr *netip.Addr
+	if p.Address.IsValid() {
+		addr = &p.Address
+	}
+	status := p.Status
+	if status == "" {
+		status = ProviderStatusUnknown
+	}
+	_, err := tx.q.ProvidedUpdate(ctx, model.ProvidedUpdateParams{
+		Provider: p.Provider, ProviderID: p.ProviderID, ProviderStatus: string(status),
+		ProviderIPAddress: addr, ProviderLocation: p.Location, ProviderReservationID: p.ReservationID,
+	})
+	if err != nil {
+		return fmt.Errorf("bmdb: updating machine %s/%s: %w", p.Provider, p.ProviderID, err)
+	}
+	return nil
+}
+
+// RecoveryReboots counts the reboots the recoverer issued for provider's
+// machines within window, including those in flight.
+func (db *DB) RecoveryReboots(ctx context.Context, provider string, window time.Duration) (int64, error) {
+	n, err := db.q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{Provider: provider, WindowMs: window.Milliseconds()})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: counting recent reboots of %s: %w", provider, err)
+	}
+	return n, nil
+}
+
+// AdmitReboot decides, one decision at a time per provider (across all
+// processes), whether the reboot the session's live Recovery work is about
+// to issue stays within max reboots per window. The work already counts
+// itself, so it is admitted if the count, with it, is at most max.
+func (s *Session) AdmitReboot(ctx context.Context, provider string, window time.Duration, max int64) (bool, int64, error) {
+	var n int64
+	err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+		if err := q.ProviderStateLock(ctx, provider); err != nil {
+			return err
+		}
+		var err error
+		n, err = q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{Provider: provider, WindowMs: window.Milliseconds()})
+		return err
+	})
+	if err != nil {
+		return false, 0, fmt.Errorf("bmdb: admitting a reboot on %s: %w", provider, err)
+	}
+	return n <= max, n, nil
+}
+
+// ProviderAgentCounts returns how many machines provider has, and how many
+// of them have a started, not installed agent.
+func (db *DB) ProviderAgentCounts(ctx context.Context, provider string) (provided, started int64, err error) {
+	r, err := db.q.ProviderAgentCounts(ctx, provider)
+	if err != nil {
+		return 0, 0, fmt.Errorf("bmdb: counting machines of %s: %w", provider, err)
+	}
+	return r.Provided, r.Started, nil
+}
+
+// HostKey returns the SSH host key recorded (or pinned) for a machine, in
+// SSH wire format, or ErrNotFound.
+func (db *DB) HostKey(ctx context.Context, machine uuid.UUID) (key []byte, pinned bool, err error) {
+	r, err := db.q.HostKeyGet(ctx, machine)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, false, ErrNotFound
+	} else if err != nil {
+		return nil, false, fmt.Errorf("bmdb: reading host key of machine %s: %w", machine, err)
+	}
+	return r.HostKey, r.Pinned, nil
+}
+
+// RecordHostKey records key (SSH wire format) as the machine's host key
+// unless one is recorded already, and returns the key in force: trust on
+// first use, so the first key seen wins. A pinned key (from the provider)
+// replaces one recorded on first use.
+func (db *DB) RecordHostKey(ctx context.Context, machine uuid.UUID, key []byte, pinned bool) (recorded []byte, recordedPinned bool, err error) {
+	err = db.retry(ctx, func(ctx context.Context) error {
+		r, err := db.q.HostKeyRecord(ctx, model.HostKeyRecordParams{MachineID: machine, HostKey: key, Pinned: pinned})
+		if errors.Is(err, pgx.ErrNoRows) {
+			g, err := db.q.HostKeyGet(ctx, machine)
+			recorded, recordedPinned = g.HostKey, g.Pinned
+			return err
+		}
+		recorded, recordedPinned = r.HostKey, r.Pinned
+		return err
+	})
+	if err != nil {
+		return nil, false, fmt.Errorf("bmdb: recording host key of machine %s: %w", machine, err)
+	}
+	return recorded, recordedPinned, nil
+}
+
+// ClearHostKey forgets the machine's recorded SSH host key, for a recovery
+// that reinstalled it (SPEC §3.3).
+func (tx *Tx) ClearHostKey(ctx context.Context, machine uuid.UUID) error {
+	if err := tx.q.HostKeyClear(ctx, machine); err != nil {
+		return fmt.Errorf("bmdb: clearing host key of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// MachineState is a machine's derived state (SPEC §3.7): computed from its
+// tags, never stored.
+type MachineState string
+
+// Derived machine states.
+const (
+	StateProvided               MachineState = "Provided"
+	StateAgentStarting          MachineState = "AgentStarting"
+	StateAwaitingFirstHeartbeat MachineState = "AwaitingFirstHeartbeat"
+	StateHealthy                MachineState = "Healthy"
+	StateSilent                 MachineState = "Silent"
+	StateRecovering             MachineState = "Recovering"
+	StateInstalling             MachineState = "Installing"
+	StateInstalled              MachineState = "Installed"
+	StateInstallFailed          MachineState = "InstallFailed"
+	StateBackedOff              MachineState = "BackedOff"
+	StateQuarantined            MachineState = "Quarantined"
+	StateMissing                MachineState = "Missing"
+	StateDecommissioning        MachineState = "Decommissioning"
+)
+
+// FleetStates counts provider's machines per derived state. Silent uses
+// the recovery timeouts (zero: the defaults).
+func (db *DB) FleetStates(ctx context.Context, provider string, firstHeartbeatTimeout, heartbeatTimeout time.Duration) (map[MachineState]int64, error) {
+	if firstHeartbeatTimeout == 0 {
+		firstHeartbeatTimeout = DefaultFirstHeartbeatTimeout
+	}
+	if heartbeatTimeout == 0 {
+		heartbeatTimeout = DefaultHeartbeatTimeout
+	}
+	rows, err := db.q.FleetStates(ctx, model.FleetStatesParams{
+		Provider: provider, FirstHeartbeatTimeoutMs: firstHeartbeatTimeout.Milliseconds(), HeartbeatTimeoutMs: heartbeatTimeout.Milliseconds(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: counting machine states of %s: %w", provider, err)
+	}
+	out := make(map[MachineState]int64, len(rows))
+	for _, r := range rows {
+		out[MachineState(r.State)] = r.Machines
+	}
+	return out, nil
+}
+
+// MachineByProviderID returns the id of provider's machine providerID, or
+// ErrNotFound.
+func (db *DB) MachineByProviderID(ctx context.Context, provider, providerID string) (uuid.UUID, error) {
+	id, err := db.q.MachineByProviderID(ctx, model.MachineByProviderIDParams{Provider: provider, ProviderID: providerID})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return uuid.Nil, ErrNotFound
+	} else if err != nil {
+		return uuid.Nil, fmt.Errorf("bmdb: finding machine %s/%s: %w", provider, providerID, err)
+	}
+	return id, nil
+}

@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/spf13/cobra"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/pgserver"
+)
+
+// devDatabase is the database `shepherd dev` keeps the BMDB in.
+const devDatabase = "shepherd"
+
+func newDevCommand() *cobra.Command {
+	var (
+		logs     logFlags
+		cfg      stackConfig
+		dataDir  string
+		machines int
+		simYAML  string
+	)
+	cmd := &cobra.Command{
+		Use:   "dev",
+		Short: "Run a private PostgreSQL, a simulated fleet and every component, until Ctrl-C",
+		Long: "Zero-setup development mode: starts a private PostgreSQL in --data-dir (kept between runs),\n" +
+			"migrates it, starts the callback server, a simulated fleet and all control loops, and prints\n" +
+			"the fleet's progress. Ctrl-C stops everything, PostgreSQL included.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := logs.logger()
+			if err != nil {
+				return err
+			}
+			if machines < 1 {
+				return fmt.Errorf("--machines must be at least 1, got %d", machines)
+			}
+			out := cmd.OutOrStdout()
+			if err := os.MkdirAll(dataDir, 0o755); err != nil {
+				return fmt.Errorf("creating --data-dir: %w", err)
+			}
+			ctx := cmd.Context()
+			fmt.Fprintf(out, "shepherd dev: data in %s\n", dataDir)
+			pg, err := pgserver.Start(ctx, pgserver.Config{Dir: filepath.Join(dataDir, "postgres"), Durable: true, Logger: log})
+			if err != nil {
+				if errors.Is(err, pgserver.ErrNotInstalled) {
+					return fmt.Errorf("shepherd dev needs PostgreSQL's server package: %w", err)
+				}
+				return err
+			}
+			defer func() {
+				if err := pg.Close(); err != nil {
+					log.Warn("stopping PostgreSQL", "err", err)
+				}
+				fmt.Fprintln(out, "shepherd dev: stopped, PostgreSQL included")
+			}()
+			if err := ensureDatabase(ctx, pg.URL("postgres"), devDatabase); err != nil {
+				return err
+			}
+			url := pg.URL(devDatabase)
+			fmt.Fprintf(out, "shepherd dev: PostgreSQL running, BMDB at %s\n", url)
+			db, err := bmdb.Open(ctx, bmdb.Config{URL: url, Logger: log})
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+
+			agent := filepath.Join(dataDir, "shepherd-agent.sim")
+			// Simulated machines do not run what is uploaded to them; a small
+			// stand-in keeps thousands of uploads cheap.
+			if err := os.WriteFile(agent, []byte("#!/bin/sh\n# stand-in uploaded to simulated machines\nexit 1\n"), 0o755); err != nil {
+				return err
+			}
+			cfg.Components = allComponents
+			cfg.Provider = "sim"
+			cfg.ProviderConfig = []byte(fmt.Sprintf("machines: %d\n%s", machines, simYAML))
+			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
+			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
+			cfg.Initializer.AgentPath = agent
+			s := &stack{cfg: cfg, db: db, reg: newRegistry(), log: log}
+			return s.run(ctx, func(s *stack) {
+				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines\n", s.endpoint, machines)
+				go progress(ctx, out, s, machines)
+			})
+		},
+	}
+	fl := cmd.Flags()
+	logs.bind(fl)
+	_ = fl.Set("log-level", "warn")
+	fl.Lookup("log-level").DefValue = "warn"
+	fl.StringVar(&dataDir, "data-dir", filepath.Join(os.TempDir(), fmt.Sprintf("shepherd-dev-%d", os.Getuid())), "directory kept between runs: PostgreSQL, keys, CA")
+	fl.IntVar(&machines, "machines", 50, "size of the simulated fleet")
+	fl.StringVar(&simYAML, "sim", "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\n", "more simulator configuration (YAML)")
+	bindStackFlags(fl, &cfg)
+	// Development defaults: a local server, and a fleet that shows its life
+	// (takeover, silence, recovery) in seconds rather than minutes.
+	for name, v := range map[string]string{
+		"server-listen":           "127.0.0.1:0",
+		"heartbeat-interval":      "5s",
+		"heartbeat-timeout":       "30s",
+		"first-heartbeat-timeout": "1m",
+		"provisioner-period":      "5s",
+		"agent-dir":               "/var/lib/shepherd-agent",
+	} {
+		_ = fl.Set(name, v)
+		fl.Lookup(name).DefValue = v
+	}
+	return cmd
+}
+
+// ensureDatabase creates database on the server at adminURL unless it exists.
+func ensureDatabase(ctx context.Context, adminURL, database string) error {
+	conn, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return fmt.Errorf("connecting to PostgreSQL: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)", database).Scan(&exists); err != nil {
+		return fmt.Errorf("looking for database %s: %w", database, err)
+	}
+	if exists {
+		return nil
+	}
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{database}.Sanitize()); err != nil {
+		return fmt.Errorf("creating database %s: %w", database, err)
+	}
+	return nil
+}
+
+// progress prints the fleet's states whenever they change (and at least
+// every 30 s), and once when every machine is Healthy.
+func progress(ctx context.Context, out io.Writer, s *stack, machines int) {
+	start := time.Now()
+	var last string
+	var lastAt time.Time
+	allHealthy := false
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		states, err := s.db.FleetStates(ctx, s.provider.Name(), s.cfg.Recoverer.FirstHeartbeatTimeout, s.cfg.Recoverer.HeartbeatTimeout)
+		if err != nil {
+			continue
+		}
+		var total int64
+		var parts []string
+		for st, n := range states {
+			total += n
+			parts = append(parts, fmt.Sprintf("%s %d", st, n))
+		}
+		sort.Strings(parts)
+		line := fmt.Sprintf("fleet: %d of %d machines provided: %s", total, machines, strings.Join(parts, ", "))
+		if total == 0 {
+			line = fmt.Sprintf("fleet: 0 of %d machines provided yet", machines)
+		}
+		if line != last || time.Since(lastAt) >= 30*time.Second {
+			fmt.Fprintf(out, "%s  [%s]\n", line, time.Since(start).Round(time.Second))
+			last, lastAt = line, time.Now()
+		}
+		if !allHealthy && states[bmdb.StateHealthy] == int64(machines) {
+			allHealthy = true
+			fmt.Fprintf(out, "shepherd dev: all %d machines are Healthy after %s (Ctrl-C to stop)\n", machines, time.Since(start).Round(100*time.Millisecond))
+		}
+	}
+}

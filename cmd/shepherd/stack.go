@@ -1,0 +1,299 @@
+package main
+
+import (
+	"context"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/provider"
+	"github.com/shepherd/shepherd/provider/sim"
+	"github.com/shepherd/shepherd/provider/static"
+	"github.com/shepherd/shepherd/server"
+)
+
+// Component names of `shepherd run --components`.
+const (
+	compServer      = "server"
+	compProvisioner = "provisioner"
+	compInitializer = "initializer"
+	compRecoverer   = "recoverer"
+)
+
+var allComponents = []string{compServer, compProvisioner, compInitializer, compRecoverer}
+
+// providers is the registry of providers this binary knows: adding one is a
+// package of its own and one line here.
+func providers() *provider.Registry {
+	r := provider.NewRegistry()
+	r.Add("static", static.Factory)
+	r.Add("sim", sim.Factory)
+	return r
+}
+
+// stackConfig is everything `shepherd run` (and `shepherd dev`) configures.
+type stackConfig struct {
+	Components []string
+
+	Provider       string // registry name
+	ProviderConfig []byte // the provider's YAML configuration
+
+	Server        server.Config
+	MetricsListen string
+
+	SSHKeyFile string // initializer's SSH client key; created (0600) if missing
+	SSHUser    string
+
+	// AgentEndpoint is the callback server's host:port as agents reach it;
+	// default: the server's listener when the server runs in this process.
+	AgentEndpoint string
+	// AgentCAFile is the PEM CA agents verify the server with; default: the
+	// server's (development) CA when the server runs in this process.
+	AgentCAFile string
+
+	Initializer manager.InitializerConfig
+	Recoverer   manager.RecovererConfig
+	Provisioner manager.ProvisionerConfig
+}
+
+// stack is a running set of components sharing one BMDB, registry, logger
+// and provider.
+type stack struct {
+	cfg stackConfig
+	db  *bmdb.DB
+	reg *prometheus.Registry
+	log *slog.Logger
+
+	// set by start, for callers that watch the stack (shepherd dev)
+	provider provider.Provider
+	endpoint string
+}
+
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+func parseComponents(list []string) ([]string, error) {
+	var run []string
+	for _, c := range list {
+		for _, n := range strings.Split(c, ",") {
+			n = strings.TrimSpace(n)
+			if n == "" {
+				continue
+			}
+			if n == "all" {
+				for _, a := range allComponents {
+					if !slices.Contains(run, a) {
+						run = append(run, a)
+					}
+				}
+				continue
+			}
+			if !slices.Contains(allComponents, n) {
+				return nil, fmt.Errorf("--components: unknown component %q (known: %s, or all)", n, strings.Join(allComponents, ", "))
+			}
+			if !slices.Contains(run, n) {
+				run = append(run, n)
+			}
+		}
+	}
+	if len(run) == 0 {
+		return nil, fmt.Errorf("--components: name at least one of %s (or all)", strings.Join(allComponents, ", "))
+	}
+	return run, nil
+}
+
+// run builds the configured components and runs them until ctx ends or one
+// fails; then it stops them all and returns.
+func (s *stack) run(ctx context.Context, ready func(*stack)) error {
+	cfg := s.cfg
+	has := func(c string) bool { return slices.Contains(cfg.Components, c) }
+	g, gctx := errgroup.WithContext(ctx)
+
+	if cfg.MetricsListen != "" {
+		if err := s.serveMetrics(gctx, g); err != nil {
+			return err
+		}
+	}
+
+	var srv *server.Server
+	if has(compServer) {
+		c := cfg.Server
+		c.Registerer, c.Logger = s.reg, s.log.With("component", compServer)
+		var err error
+		if srv, err = server.New(c, s.db); err != nil {
+			return err
+		}
+		addr, err := srv.Listen()
+		if err != nil {
+			return err
+		}
+		s.endpoint = addr.String()
+		g.Go(func() error { return named(compServer, srv.Run(gctx)) })
+	}
+
+	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer)
+	if !needProvider {
+		if ready != nil {
+			ready(s)
+		}
+		return waitStack(ctx, g)
+	}
+	if cfg.Provider == "" {
+		return errors.New("--provider is required for the provisioner, initializer and recoverer")
+	}
+	signer, err := sshx.LoadOrCreateKey(cfg.SSHKeyFile)
+	if err != nil {
+		return err
+	}
+	// The host key checker needs the provider's name, which is known only
+	// once the provider exists; it is not used before.
+	hostKeys := &manager.HostKeys{DB: s.db}
+	env := provider.Env{
+		Logger:     s.log.With("provider", cfg.Provider),
+		Registerer: s.reg,
+		HostKeys:   hostKeys,
+		SSHSigner:  signer,
+		SSHUser:    cfg.SSHUser,
+	}
+	p, err := providers().New(ctx, cfg.Provider, env, cfg.ProviderConfig)
+	if err != nil {
+		return err
+	}
+	hostKeys.Provider = p.Name()
+	s.provider = p
+	if r, ok := p.(provider.Runner); ok {
+		g.Go(func() error { return named("provider "+p.Name(), r.Run(gctx)) })
+	}
+
+	if has(compProvisioner) {
+		pr, err := manager.NewProvisioner(cfg.Provisioner, s.db, p, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compProvisioner, pr.Run(gctx)) })
+	}
+	if has(compInitializer) {
+		ic := cfg.Initializer
+		ic.SSHKey = signer
+		ic.SSHUser = cfg.SSHUser
+		ic.ServerEndpoint = cfg.AgentEndpoint
+		if ic.ServerEndpoint == "" {
+			if srv == nil {
+				return errors.New("--agent-endpoint is required when the server does not run in this process")
+			}
+			ic.ServerEndpoint = agentEndpoint(s.endpoint)
+		}
+		switch {
+		case cfg.AgentCAFile != "":
+			if ic.ServerCA, err = readCA(cfg.AgentCAFile); err != nil {
+				return err
+			}
+		case srv != nil:
+			ic.ServerCA = srv.CA()
+		}
+		in, err := manager.NewInitializer(ic, s.db, p, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compInitializer, in.Run(gctx)) })
+	}
+	if has(compRecoverer) {
+		rc, err := manager.NewRecoverer(cfg.Recoverer, s.db, p, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compRecoverer, rc.Run(gctx)) })
+	}
+	if ready != nil {
+		ready(s)
+	}
+	return waitStack(ctx, g)
+}
+
+func waitStack(ctx context.Context, g *errgroup.Group) error {
+	err := g.Wait()
+	if err != nil && ctx.Err() == nil {
+		return err
+	}
+	return nil
+}
+
+func named(name string, err error) error {
+	if err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+// agentEndpoint turns the server's listening address into one agents can
+// reach: a wildcard host becomes this machine's hostname.
+func agentEndpoint(listen string) string {
+	host, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return listen
+	}
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		if h, err := os.Hostname(); err == nil {
+			host = h
+		}
+	}
+	return net.JoinHostPort(host, port)
+}
+
+func readCA(path string) ([]byte, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("reading agent CA %s: %w", path, err)
+	}
+	b, _ := pem.Decode(data)
+	if b == nil || b.Type != "CERTIFICATE" {
+		return nil, fmt.Errorf("agent CA %s holds no PEM certificate", path)
+	}
+	if _, err := x509.ParseCertificate(b.Bytes); err != nil {
+		return nil, fmt.Errorf("parsing agent CA %s: %w", path, err)
+	}
+	return b.Bytes, nil
+}
+
+func (s *stack) serveMetrics(ctx context.Context, g *errgroup.Group) error {
+	ln, err := net.Listen("tcp", s.cfg.MetricsListen)
+	if err != nil {
+		return fmt.Errorf("--metrics-listen: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{Registry: s.reg}))
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	g.Go(func() error {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		return hs.Shutdown(sctx)
+	})
+	g.Go(func() error {
+		if err := hs.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("metrics: %w", err)
+		}
+		return nil
+	})
+	s.log.InfoContext(ctx, "serving metrics", "addr", ln.Addr().String())
+	return nil
+}

@@ -1,0 +1,352 @@
+package manager
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/pkg/sftp"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/crypto/ssh"
+	"google.golang.org/protobuf/proto"
+
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/provider"
+)
+
+// InitializerConfig configures the initializer (SPEC §3.3). Zero values mean
+// defaults.
+type InitializerConfig struct {
+	Loop LoopConfig
+	// ConnectTimeout bounds dialing and the SSH handshake; default 30s.
+	ConnectTimeout time.Duration
+	// ExecTimeout bounds the upload and the agent's takeover together, so a
+	// hung machine cannot hold a worker for ever; default 2m.
+	ExecTimeout time.Duration
+	// SSHUser logs in unless the provider names another user; default root.
+	SSHUser string
+	// SSHKey is the initializer's SSH client key; required.
+	SSHKey ssh.Signer
+	// AgentPath is the local agent binary uploaded to every machine; required.
+	AgentPath string
+	// AgentDir is the remote directory of the agent binary and its state;
+	// "{provider_id}" and "{machine_id}" in it are replaced. Default
+	// /var/lib/shepherd-agent.
+	AgentDir string
+	// AgentArgs are extra arguments to the agent's takeover mode.
+	AgentArgs []string
+	// ServerEndpoint is the callback server's host:port as agents reach it; required.
+	ServerEndpoint string
+	// ServerCA is the DER CA agents verify the callback server against; nil
+	// means the agents' system roots.
+	ServerCA []byte
+	// Backoff applies to failed agent starts; default bmdb.AgentStartBackoff().
+	Backoff bmdb.BackoffPolicy
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c InitializerConfig) Validate() error {
+	if err := c.Loop.Validate("initializer"); err != nil {
+		return err
+	}
+	switch {
+	case c.ConnectTimeout < 0 || c.ExecTimeout < 0:
+		return errors.New("initializer: timeouts must be >= 0 (0 = default)")
+	case c.SSHKey == nil:
+		return errors.New("initializer: SSHKey is required")
+	case c.AgentPath == "":
+		return errors.New("initializer: AgentPath (the local agent binary) is required")
+	case c.ServerEndpoint == "":
+		return errors.New("initializer: ServerEndpoint (where agents send heartbeats) is required")
+	case c.AgentDir != "" && !path.IsAbs(c.AgentDir):
+		return fmt.Errorf("initializer: AgentDir must be an absolute path, got %q", c.AgentDir)
+	}
+	if _, _, err := net.SplitHostPort(c.ServerEndpoint); err != nil {
+		return fmt.Errorf("initializer: ServerEndpoint %q is not host:port", c.ServerEndpoint)
+	}
+	if st, err := os.Stat(c.AgentPath); err != nil {
+		return fmt.Errorf("initializer: agent binary: %w", err)
+	} else if !st.Mode().IsRegular() {
+		return fmt.Errorf("initializer: agent binary %s is not a regular file", c.AgentPath)
+	}
+	if c.Backoff != (bmdb.BackoffPolicy{}) {
+		return c.Backoff.Validate()
+	}
+	return nil
+}
+
+// Initializer starts agents on provided machines (SPEC §3.3): SSH in,
+// upload the agent with SFTP, run it with a TakeoverInit on stdin, and
+// record the key it answers with as AgentStarted.
+type Initializer struct {
+	cfg    InitializerConfig
+	db     *bmdb.DB
+	p      provider.Provider
+	runner *Runner
+}
+
+// NewInitializer validates cfg and returns the initializer for provider p.
+func NewInitializer(cfg InitializerConfig, db *bmdb.DB, p provider.Provider, reg prometheus.Registerer, log *slog.Logger) (*Initializer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.ConnectTimeout = cmp.Or(cfg.ConnectTimeout, 30*time.Second)
+	cfg.ExecTimeout = cmp.Or(cfg.ExecTimeout, 2*time.Minute)
+	cfg.SSHUser = cmp.Or(cfg.SSHUser, "root")
+	cfg.AgentDir = cmp.Or(cfg.AgentDir, "/var/lib/shepherd-agent")
+	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
+		cfg.Backoff = bmdb.AgentStartBackoff()
+	}
+	in := &Initializer{cfg: cfg, db: db, p: p}
+	r, err := NewRunner("initializer", cfg.Loop, Loop{
+		Process:    bmdb.ProcessAgentStart,
+		Candidates: func() bmdb.Candidates { return bmdb.AgentStartCandidates(p.Name()) },
+		Backoff:    cfg.Backoff,
+		Do:         in.startAgent,
+	}, db, reg, log)
+	if err != nil {
+		return nil, err
+	}
+	in.runner = r
+	return in, nil
+}
+
+// Run runs the initializer until ctx ends.
+func (in *Initializer) Run(ctx context.Context) error { return in.runner.Run(ctx) }
+
+// startAgent takes one machine over.
+func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, error) {
+	m, err := in.p.GetMachine(ctx, t.Machine.ProviderID)
+	if err != nil {
+		return nil, fmt.Errorf("asking %s for machine %s: %w", in.p.Name(), t.Machine.ProviderID, err)
+	}
+	target := sshx.Target{Addr: m.Addr().String(), User: in.cfg.SSHUser}
+	signers := []ssh.Signer{in.cfg.SSHKey}
+	var pinned ssh.PublicKey
+	if a, ok := in.p.(provider.SSHAccessor); ok {
+		access, err := a.SSHAccess(ctx, t.Machine.ProviderID)
+		if err != nil {
+			return nil, fmt.Errorf("asking %s how to reach machine %s: %w", in.p.Name(), t.Machine.ProviderID, err)
+		}
+		if access.User != "" {
+			target.User = access.User
+		}
+		// One publickey method with every key: a client does not try the
+		// method again after the server rejected it.
+		signers = append(signers, access.Signers...)
+		target.Auth = append(target.Auth, access.Auth...)
+		target.Dial = access.Dial
+		pinned = access.HostKey
+	}
+	target.Auth = append([]ssh.AuthMethod{ssh.PublicKeys(signers...)}, target.Auth...)
+	if target.Dial == nil && !m.Addr().IsValid() {
+		return nil, fmt.Errorf("%s has no address for machine %s yet", in.p.Name(), t.Machine.ProviderID)
+	}
+	target.HostKey = hostKeyCallback(ctx, in.db, t.Machine.MachineID, pinned)
+
+	dctx, cancel := context.WithTimeout(ctx, in.cfg.ConnectTimeout)
+	client, err := sshx.Dial(dctx, target)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	defer client.Close()
+
+	ectx, cancel := context.WithTimeout(ctx, in.cfg.ExecTimeout)
+	defer cancel()
+	// Closing the connection is what stops SFTP and the remote command when
+	// the exec timeout strikes.
+	stop := context.AfterFunc(ectx, func() { client.Close() })
+	defer stop()
+
+	dir := expandAgentDir(in.cfg.AgentDir, t.Machine)
+	bin := path.Join(dir, "shepherd-agent")
+	if err := upload(client, in.cfg.AgentPath, bin); err != nil {
+		if ectx.Err() != nil {
+			return nil, fmt.Errorf("uploading the agent: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
+		}
+		return nil, fmt.Errorf("uploading the agent: %w", err)
+	}
+	init := &agentv1.TakeoverInit{
+		MachineId:      t.Machine.MachineID.String(),
+		ServerEndpoint: in.cfg.ServerEndpoint,
+		CaCertificate:  in.cfg.ServerCA,
+	}
+	stdin, err := proto.Marshal(init)
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{shellQuote(bin), "takeover", "--state-dir", shellQuote(path.Join(dir, "state"))}, quoteAll(in.cfg.AgentArgs)...)
+	out, err := sshx.Run(ectx, client, strings.Join(args, " "), stdin, 1<<20)
+	if err != nil {
+		if ectx.Err() != nil {
+			return nil, fmt.Errorf("running the agent: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
+		}
+		return nil, fmt.Errorf("running the agent: %w", err)
+	}
+	key, err := checkTakeover(out.Stdout, init)
+	if err != nil {
+		return nil, err
+	}
+	t.Log.InfoContext(ctx, "agent started", "key", hex.EncodeToString(key[:8]))
+	return func(ctx context.Context, tx *bmdb.Tx) error {
+		return tx.SetAgentStarted(ctx, t.Machine.MachineID, key)
+	}, nil
+}
+
+// checkTakeover parses the agent's answer: success requires the echoed init
+// to equal what was sent and a 32-byte ed25519 key.
+func checkTakeover(stdout []byte, sent *agentv1.TakeoverInit) (ed25519.PublicKey, error) {
+	var resp agentv1.TakeoverResponse
+	if err := proto.Unmarshal(stdout, &resp); err != nil {
+		return nil, fmt.Errorf("the agent's output is no TakeoverResponse: %v (%d bytes: %q)", err, len(stdout), truncate(string(stdout), 200))
+	}
+	switch r := resp.GetResult().(type) {
+	case *agentv1.TakeoverResponse_Error:
+		return nil, fmt.Errorf("the agent refused the takeover: %s", truncate(r.Error.GetMessage(), 1000))
+	case *agentv1.TakeoverResponse_Success:
+		if !proto.Equal(r.Success.GetInitMessage(), sent) {
+			return nil, errors.New("the agent echoed a TakeoverInit other than the one sent")
+		}
+		if k := r.Success.GetPublicKey(); len(k) != ed25519.PublicKeySize {
+			return nil, fmt.Errorf("the agent answered with a %d-byte key, want %d", len(k), ed25519.PublicKeySize)
+		}
+		return ed25519.PublicKey(r.Success.GetPublicKey()), nil
+	}
+	return nil, errors.New("the agent's TakeoverResponse is empty")
+}
+
+// upload copies the local file to remote with SFTP: to a temporary name
+// first, then renamed over remote, so a running agent's binary (which can
+// not be overwritten in place) is replaced atomically.
+func upload(client *ssh.Client, local, remote string) error {
+	src, err := os.Open(local)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	sc, err := sftp.NewClient(client)
+	if err != nil {
+		return fmt.Errorf("starting SFTP: %w", err)
+	}
+	defer sc.Close()
+	if err := sc.MkdirAll(path.Dir(remote)); err != nil {
+		return fmt.Errorf("creating %s: %w", path.Dir(remote), err)
+	}
+	var suffix [6]byte
+	_, _ = rand.Read(suffix[:])
+	tmp := remote + ".upload-" + hex.EncodeToString(suffix[:])
+	dst, err := sc.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC)
+	if err != nil {
+		return fmt.Errorf("creating %s: %w", tmp, err)
+	}
+	if _, err := io.Copy(dst, src); err != nil {
+		dst.Close()
+		_ = sc.Remove(tmp)
+		return fmt.Errorf("writing %s: %w", tmp, err)
+	}
+	if err := dst.Close(); err != nil {
+		_ = sc.Remove(tmp)
+		return fmt.Errorf("writing %s: %w", tmp, err)
+	}
+	if err := sc.Chmod(tmp, 0o755); err != nil {
+		_ = sc.Remove(tmp)
+		return fmt.Errorf("making %s executable: %w", tmp, err)
+	}
+	if err := sc.PosixRename(tmp, remote); err != nil {
+		// Servers without the posix-rename extension: remove, then rename.
+		_ = sc.Remove(remote)
+		if err := sc.Rename(tmp, remote); err != nil {
+			_ = sc.Remove(tmp)
+			return fmt.Errorf("moving %s to %s: %w", tmp, remote, err)
+		}
+	}
+	return nil
+}
+
+func expandAgentDir(dir string, m bmdb.ProvidedMachine) string {
+	r := strings.NewReplacer("{provider_id}", safePathElem(m.ProviderID), "{machine_id}", m.MachineID.String())
+	return r.Replace(dir)
+}
+
+// safePathElem makes a provider id (an opaque string) usable as one path
+// element.
+func safePathElem(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if r == '/' || r == 0 || r < ' ' {
+			b.WriteByte('_')
+			continue
+		}
+		b.WriteRune(r)
+	}
+	if out := b.String(); out != "." && out != ".." {
+		return out
+	}
+	return "_"
+}
+
+// shellQuote quotes s for a POSIX shell.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+func quoteAll(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = shellQuote(a)
+	}
+	return out
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// hostKeyCallback verifies a machine's SSH host key against the BMDB: a
+// pinned key from the provider must match (and is recorded as pinned);
+// otherwise the first key seen is recorded and every later one must equal
+// it (trust on first use). A mismatch is never accepted silently.
+func hostKeyCallback(ctx context.Context, db *bmdb.DB, machine uuid.UUID, pinned ssh.PublicKey) ssh.HostKeyCallback {
+	return func(_ string, _ net.Addr, got ssh.PublicKey) error {
+		if pinned != nil {
+			if err := sshx.CheckKey(pinned)("", nil, got); err != nil {
+				return fmt.Errorf("%w (pinned by the provider)", err)
+			}
+			if _, _, err := db.RecordHostKey(ctx, machine, pinned.Marshal(), true); err != nil {
+				return err
+			}
+			return nil
+		}
+		recorded, _, err := db.RecordHostKey(ctx, machine, got.Marshal(), false)
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(recorded, got.Marshal()) {
+			want, perr := ssh.ParsePublicKey(recorded)
+			if perr != nil {
+				return fmt.Errorf("%w: the recorded key is unreadable: %v", sshx.ErrHostKeyMismatch, perr)
+			}
+			return fmt.Errorf("%w: recorded %s, offered %s", sshx.ErrHostKeyMismatch, ssh.FingerprintSHA256(want), ssh.FingerprintSHA256(got))
+		}
+		return nil
+	}
+}

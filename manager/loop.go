@@ -1,0 +1,255 @@
+// Package manager runs Shepherd's control loops (SPEC §3): the runner that
+// claims machines from the BMDB and hands them to a process function, and
+// the provisioner, initializer and recoverer built on it.
+package manager
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"runtime/debug"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/bmdb"
+)
+
+// Task is one claimed machine handed to a loop's process function.
+type Task struct {
+	// Machine is the claimed machine's Provided tag.
+	Machine bmdb.ProvidedMachine
+	// Log carries the machine id and process on every line.
+	Log *slog.Logger
+	// Session is the session the work was claimed under.
+	Session *bmdb.Session
+}
+
+// ErrRetryLater, wrapped by an error a loop's Do returns, means the machine
+// could not be processed for a reason that is not the machine's (a circuit
+// breaker, a shutdown): the work is canceled, not failed, and no backoff
+// applies.
+var ErrRetryLater = errors.New("retry later")
+
+// FinishFunc is the change a successful process makes to the machine's
+// tags; it runs in the transaction that ends the work.
+type FinishFunc func(ctx context.Context, tx *bmdb.Tx) error
+
+// Loop describes one control loop (SPEC §3.1).
+type Loop struct {
+	// Process is what the loop does to machines; it names the work.
+	Process bmdb.Process
+	// Candidates returns the loop's candidate query (called before every
+	// claim, so that it may depend on live configuration).
+	Candidates func() bmdb.Candidates
+	// Backoff applies when processing fails.
+	Backoff bmdb.BackoffPolicy
+	// Do processes one machine. It returns the tag change that records its
+	// success, or an error, which fails the work with the error as cause.
+	// ctx ends when the session is lost or the loop stops.
+	Do func(ctx context.Context, t *Task) (FinishFunc, error)
+	// Admit, if set, is asked before every claim whether the loop may
+	// claim now (the recoverer's circuit breaker); a "no" makes the worker
+	// wait its idle sleep.
+	Admit func(ctx context.Context) bool
+}
+
+// LoopConfig configures the runner of a loop. Zero values mean defaults.
+type LoopConfig struct {
+	// Parallelism is the number of workers sharing the session; default 10.
+	Parallelism int
+	// QueryLimit bounds how often workers run the candidate query; default
+	// 100ms,10.
+	QueryLimit Limit
+	// IdleSleep is how long a worker waits when there is nothing to do,
+	// jittered by ±50 %; default 5s.
+	IdleSleep time.Duration
+	// Lease is the session lease; default bmdb.DefaultLease.
+	Lease time.Duration
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c LoopConfig) Validate(what string) error {
+	switch {
+	case c.Parallelism < 0:
+		return fmt.Errorf("%s: Parallelism must be >= 0 (0 = default), got %d", what, c.Parallelism)
+	case c.IdleSleep < 0:
+		return fmt.Errorf("%s: IdleSleep must be >= 0 (0 = default), got %s", what, c.IdleSleep)
+	case c.Lease < 0:
+		return fmt.Errorf("%s: Lease must be >= 0 (0 = default), got %s", what, c.Lease)
+	}
+	return c.QueryLimit.validate(what)
+}
+
+// Runner runs one loop: Parallelism workers sharing one session, which is
+// replaced whenever it is lost.
+type Runner struct {
+	cfg     LoopConfig
+	loop    Loop
+	db      *bmdb.DB
+	log     *slog.Logger
+	metrics *loopMetrics
+	name    string
+}
+
+// NewRunner validates cfg and returns a runner for loop. component names the
+// session (e.g. "initializer").
+func NewRunner(component string, cfg LoopConfig, loop Loop, db *bmdb.DB, reg prometheus.Registerer, log *slog.Logger) (*Runner, error) {
+	if err := cfg.Validate(component); err != nil {
+		return nil, err
+	}
+	if err := loop.Process.Validate(); err != nil {
+		return nil, err
+	}
+	if loop.Do == nil || loop.Candidates == nil {
+		return nil, fmt.Errorf("%s: a loop needs Do and Candidates", component)
+	}
+	if err := loop.Backoff.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", component, err)
+	}
+	cfg.Parallelism = cmp.Or(cfg.Parallelism, 10)
+	cfg.IdleSleep = cmp.Or(cfg.IdleSleep, 5*time.Second)
+	m, err := newLoopMetrics(reg, string(loop.Process))
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", component, err)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Runner{cfg: cfg, loop: loop, db: db, log: log.With("component", component), metrics: m, name: component}, nil
+}
+
+// Run runs the workers until ctx ends, then cancels their work, closes the
+// session and returns nil.
+func (r *Runner) Run(ctx context.Context) error {
+	limiter := r.cfg.QueryLimit.limiter(Limit{Every: 100 * time.Millisecond, Burst: 10})
+	return r.db.KeepSession(ctx, bmdb.SessionConfig{Component: r.name, Lease: r.cfg.Lease}, func(ctx context.Context, s *bmdb.Session) error {
+		g, gctx := errgroup.WithContext(ctx)
+		for i := range r.cfg.Parallelism {
+			g.Go(func() error {
+				r.worker(gctx, s, i, limiter)
+				return nil
+			})
+		}
+		return g.Wait()
+	})
+}
+
+// worker claims and processes machines until ctx ends. It never dies of an
+// error: every error is logged with the machine id, counted, and followed
+// by a pause.
+func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter interface{ Wait(context.Context) error }) {
+	log := r.log.With("worker", id)
+	for ctx.Err() == nil {
+		if r.loop.Admit != nil && !r.loop.Admit(ctx) {
+			sleep(ctx, jitter(r.cfg.IdleSleep))
+			continue
+		}
+		if err := limiter.Wait(ctx); err != nil {
+			return
+		}
+		w, err := s.Work(ctx, r.loop.Process, r.loop.Candidates())
+		switch {
+		case errors.Is(err, bmdb.ErrNothingToDo):
+			r.metrics.claims.WithLabelValues("nothing_to_do").Inc()
+			sleep(ctx, jitter(r.cfg.IdleSleep))
+			continue
+		case errors.Is(err, bmdb.ErrWorkConflict):
+			r.metrics.claims.WithLabelValues("conflict").Inc()
+			continue
+		case errors.Is(err, bmdb.ErrSessionExpired), ctx.Err() != nil:
+			return
+		case err != nil:
+			r.metrics.claims.WithLabelValues("error").Inc()
+			log.ErrorContext(ctx, "claiming work", "process", r.loop.Process, "err", err)
+			sleep(ctx, jitter(r.cfg.IdleSleep))
+			continue
+		}
+		r.metrics.claims.WithLabelValues("claimed").Inc()
+		r.process(ctx, s, w, log.With("machine_id", w.MachineID.String(), "process", string(r.loop.Process)))
+	}
+}
+
+// process runs the loop's Do on one claimed machine and ends the work.
+func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger) {
+	start := time.Now()
+	defer func() { r.metrics.processing.Observe(time.Since(start).Seconds()) }()
+	finish, err := r.do(ctx, s, w, log)
+	switch {
+	case ctx.Err() != nil, errors.Is(err, ErrRetryLater):
+		// Stopping, the session is gone, or the loop holds back: say so,
+		// without judging the machine.
+		if err := w.Cancel(ctx); err != nil && !errors.Is(err, bmdb.ErrSessionExpired) {
+			log.WarnContext(ctx, "canceling work", "err", err)
+		}
+		r.metrics.claims.WithLabelValues("canceled").Inc()
+		return
+	case err == nil:
+		err = w.Finish(ctx, finish)
+		if err == nil {
+			r.metrics.claims.WithLabelValues("finished").Inc()
+			log.InfoContext(ctx, "done")
+			return
+		}
+		if errors.Is(err, bmdb.ErrSessionExpired) {
+			r.metrics.claims.WithLabelValues("lost").Inc()
+			log.WarnContext(ctx, "work lost with the session before it could be finished")
+			return
+		}
+		err = fmt.Errorf("recording the result: %w", err)
+	}
+	b, ferr := w.Fail(context.WithoutCancel(ctx), r.loop.Backoff, err.Error())
+	switch {
+	case errors.Is(ferr, bmdb.ErrSessionExpired):
+		r.metrics.claims.WithLabelValues("lost").Inc()
+		log.WarnContext(ctx, "failed, and the work was lost with the session", "err", err)
+	case ferr != nil:
+		// The lock stays until the session ends or expiry; the machine
+		// is not lost, only delayed.
+		r.metrics.claims.WithLabelValues("error").Inc()
+		log.ErrorContext(ctx, "failed, and recording the failure failed too", "err", err, "record_err", ferr)
+	default:
+		r.metrics.claims.WithLabelValues("failed").Inc()
+		log.WarnContext(ctx, "failed, backing off", "err", err, "retry_in", time.Until(b.Until).Round(time.Second),
+			"attempts", b.Attempts, "quarantined", b.Quarantined)
+	}
+}
+
+// do calls the loop's Do, turning a panic into an error so that one bad
+// machine cannot take a worker (or the process) down.
+func (r *Runner) do(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger) (finish FinishFunc, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			log.ErrorContext(ctx, "panic while processing", "panic", p, "stack", string(debug.Stack()))
+			finish, err = nil, fmt.Errorf("internal error: %v", p)
+		}
+	}()
+	m, err := r.db.GetProvided(ctx, w.MachineID)
+	if err != nil {
+		return nil, fmt.Errorf("reading the machine: %w", err)
+	}
+	return r.loop.Do(ctx, &Task{Machine: m, Log: log, Session: s})
+}
+
+// jitter returns a duration in [d/2, 3d/2), so that idle workers of many
+// processes do not poll in step.
+func jitter(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + time.Duration(rand.Int64N(int64(d)))
+}
+
+// sleep waits d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}

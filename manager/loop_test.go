@@ -1,0 +1,181 @@
+package manager_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
+)
+
+// events returns the history events of a machine, in order.
+func events(t *testing.T, db *bmdbtest.DB, id uuid.UUID) []bmdb.HistoryEvent {
+	t.Helper()
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func TestRunnerEndsEveryWork(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	ok, boom, later, slow := bmdbtest.AddMachine(t, db, setup, "lab"), bmdbtest.AddMachine(t, db, setup, "lab"),
+		bmdbtest.AddMachine(t, db, setup, "lab"), bmdbtest.AddMachine(t, db, setup, "lab")
+
+	var mu sync.Mutex
+	seen := map[uuid.UUID]int{}
+	slowStarted := make(chan struct{})
+	var once sync.Once
+	loop := manager.Loop{
+		Process:    bmdb.ProcessAgentStart,
+		Candidates: func() bmdb.Candidates { return bmdb.AgentStartCandidates("lab") },
+		Backoff:    bmdb.BackoffPolicy{Initial: time.Hour},
+		Do: func(ctx context.Context, task *manager.Task) (manager.FinishFunc, error) {
+			mu.Lock()
+			seen[task.Machine.MachineID]++
+			mu.Unlock()
+			switch task.Machine.MachineID {
+			case boom:
+				panic("bad machine")
+			case later:
+				return nil, fmt.Errorf("breaker open: %w", manager.ErrRetryLater)
+			case slow:
+				once.Do(func() { close(slowStarted) })
+				<-ctx.Done()
+				return nil, ctx.Err()
+			}
+			return func(ctx context.Context, tx *bmdb.Tx) error {
+				return tx.SetAgentStarted(ctx, task.Machine.MachineID, make([]byte, 32))
+			}, nil
+		},
+	}
+	r, err := manager.NewRunner("test-loop", manager.LoopConfig{Parallelism: 3, IdleSleep: 50 * time.Millisecond}, loop, db.DB, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+
+	bmdbtest.WaitFor(t, 20*time.Second, "ok finished, boom failed, slow started", func(ctx context.Context) (bool, error) {
+		select {
+		case <-slowStarted:
+		default:
+			return false, nil
+		}
+		_, _, err := db.GetAgentStarted(ctx, ok)
+		if err != nil {
+			return false, err
+		}
+		b, err := db.GetBackoff(ctx, boom, bmdb.ProcessAgentStart)
+		return err == nil && b.Attempts == 1, err
+	})
+	// The panic became a failure naming it; the worker lived on.
+	if b, _ := db.GetBackoff(t.Context(), boom, bmdb.ProcessAgentStart); b.Cause != "internal error: bad machine" {
+		t.Errorf("cause of the panic's failure: %q", b.Cause)
+	}
+	// Stopping cancels the slow machine's work instead of failing it.
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	h := events(t, db, slow)
+	if last := h[len(h)-1]; last.Event != bmdb.EventCanceled {
+		t.Errorf("slow machine's last event %s, want Canceled", last.Event)
+	}
+	if _, err := db.GetBackoff(t.Context(), slow, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Errorf("stopping backed the slow machine off: %v", err)
+	}
+	// ErrRetryLater cancels without backoff, so the machine is tried again.
+	mu.Lock()
+	n := seen[later]
+	mu.Unlock()
+	if n < 2 {
+		t.Errorf("a machine whose processing said retry later was tried %d times", n)
+	}
+	if _, err := db.GetBackoff(t.Context(), later, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Errorf("retry later backed the machine off: %v", err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows left after the runner stopped", n)
+	}
+}
+
+func TestRunnerSurvivesLostSession(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	var ids []uuid.UUID
+	for range 5 {
+		ids = append(ids, bmdbtest.AddMachine(t, db, setup, "lab"))
+	}
+	var processed atomic.Int64
+	release := make(chan struct{})
+	loop := manager.Loop{
+		Process:    bmdb.ProcessAgentStart,
+		Candidates: func() bmdb.Candidates { return bmdb.AgentStartCandidates("lab") },
+		Backoff:    bmdb.BackoffPolicy{Initial: time.Second},
+		Do: func(ctx context.Context, task *manager.Task) (manager.FinishFunc, error) {
+			if processed.Add(1) == 1 {
+				<-release // the first machine waits until its session is killed
+			}
+			return func(ctx context.Context, tx *bmdb.Tx) error {
+				return tx.SetAgentStarted(ctx, task.Machine.MachineID, make([]byte, 32))
+			}, nil
+		},
+	}
+	r, err := manager.NewRunner("test-loop", manager.LoopConfig{Parallelism: 1, IdleSleep: 50 * time.Millisecond, Lease: time.Second}, loop, db.DB, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	bmdbtest.WaitFor(t, 10*time.Second, "first machine claimed", func(context.Context) (bool, error) { return processed.Load() == 1, nil })
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE component = 'test-loop'")
+	close(release)
+	// A new session takes over, and every machine gets its agent.
+	bmdbtest.WaitFor(t, 30*time.Second, "every machine started", func(ctx context.Context) (bool, error) {
+		n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_started")
+		return n == int64(len(ids)), nil
+	})
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(DISTINCT session_id) FROM sessions WHERE component = 'test-loop'"); n < 2 {
+		t.Errorf("%d sessions, want a new one after the first was lost", n)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestParseLimit(t *testing.T) {
+	t.Parallel()
+	good := map[string]manager.Limit{
+		"250ms,8": {Every: 250 * time.Millisecond, Burst: 8},
+		" 1s , 1": {Every: time.Second, Burst: 1},
+	}
+	for in, want := range good {
+		got, err := manager.ParseLimit(in)
+		if err != nil || got != want {
+			t.Errorf("ParseLimit(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "250ms", "250ms,0", "0s,4", "-1s,2", "abc,2", "1s,x"} {
+		if _, err := manager.ParseLimit(in); err == nil {
+			t.Errorf("ParseLimit(%q) accepted", in)
+		}
+	}
+}

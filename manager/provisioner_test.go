@@ -1,0 +1,239 @@
+package manager_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/provider"
+)
+
+func TestMain(m *testing.M) { bmdbtest.Main(m) }
+
+// scripted is a provider whose listing a test edits directly, to put the
+// provisioner in situations real providers reach only by accident
+// (lost listings, orphans, foreign machines).
+type scripted struct {
+	mu       sync.Mutex
+	name     string
+	machines map[string]*scriptedMachine
+	failOn   map[string]error // CreateMachine from this id fails
+}
+
+type scriptedMachine struct {
+	id     string
+	avail  provider.Availability
+	failed bool
+}
+
+func (m scriptedMachine) ID() string                          { return m.id }
+func (m scriptedMachine) Addr() netip.AddrPort                { return netip.MustParseAddrPort("192.0.2.1:22") }
+func (m scriptedMachine) Availability() provider.Availability { return m.avail }
+func (m scriptedMachine) Failed() bool                        { return m.failed }
+func (m scriptedMachine) Location() string                    { return "lab/" + m.id }
+func (m scriptedMachine) ReservationID() string               { return "" }
+func (m scriptedMachine) Status() provider.Status             { return provider.StatusRunning }
+
+func newScripted(name string) *scripted {
+	return &scripted{name: name, machines: map[string]*scriptedMachine{}, failOn: map[string]error{}}
+}
+
+func (s *scripted) set(id string, a provider.Availability) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.machines[id] = &scriptedMachine{id: id, avail: a}
+}
+
+func (s *scripted) remove(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.machines, id)
+}
+
+func (s *scripted) Name() string { return s.name }
+
+func (s *scripted) ListMachines(context.Context) ([]provider.Machine, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []provider.Machine
+	for _, m := range s.machines {
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID() < out[j].ID() })
+	return out, nil
+}
+
+func (s *scripted) GetMachine(_ context.Context, id string) (provider.Machine, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m, ok := s.machines[id]
+	if !ok {
+		return nil, fmt.Errorf("machine %s: %w", id, provider.ErrNotFound)
+	}
+	return *m, nil
+}
+
+func (s *scripted) CreateMachine(_ context.Context, req provider.CreateRequest) (provider.Machine, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.failOn[req.From.ID()]; err != nil {
+		return nil, err
+	}
+	m, ok := s.machines[req.From.ID()]
+	if !ok {
+		return nil, provider.ErrNotFound
+	}
+	m.avail = provider.KnownUsed
+	return *m, nil
+}
+
+// ourIDs lists the provider ids the BMDB has for p, with their status.
+func ourIDs(t *testing.T, db *bmdbtest.DB, p string) map[string]bmdb.ProviderStatus {
+	t.Helper()
+	refs, err := db.ListProvided(t.Context(), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]bmdb.ProviderStatus{}
+	for _, r := range refs {
+		out[r.ProviderID] = r.Status
+	}
+	return out
+}
+
+func TestProvisionerPass(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	p := newScripted("lab")
+	for i := range 8 {
+		p.set(fmt.Sprintf("cap-%d", i), provider.KnownUnused)
+	}
+	p.set("foreign-1", provider.Foreign)
+	p.set("broken", provider.KnownUnused)
+	p.machines["broken"].failed = true
+	p.failOn["cap-7"] = errors.New("out of stock")
+
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{ChunkSize: 3, MaxMachines: 6}, db.DB, p, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := bmdbtest.Session(t, db, "provisioner", time.Minute)
+	pass := func() manager.PassResult {
+		t.Helper()
+		r, err := pr.Pass(t.Context(), s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+
+	// Chunks of 3, up to 6 machines; failed capacity and foreign machines
+	// are left alone.
+	if r := pass(); r.Created != 3 || r.Foreign != 1 {
+		t.Fatalf("first pass %+v, want 3 created and 1 foreign", r)
+	}
+	if r := pass(); r.Created != 3 {
+		t.Fatalf("second pass %+v, want 3 created", r)
+	}
+	if r := pass(); r.Created != 0 {
+		t.Fatalf("third pass %+v, want nothing created at MaxMachines", r)
+	}
+	ids := ourIDs(t, db, "lab")
+	if len(ids) != 6 || ids["broken"] != "" || ids["foreign-1"] != "" {
+		t.Fatalf("BMDB machines %v", ids)
+	}
+	for id := range ids {
+		m, err := p.GetMachine(t.Context(), id)
+		if err != nil || m.Availability() != provider.KnownUsed {
+			t.Errorf("machine %s recorded but not created at the provider (%v)", id, err)
+		}
+	}
+
+	// An orphan (created at the provider, never recorded: a crash in
+	// between) is adopted even at MaxMachines.
+	p.set("orphan", provider.KnownUsed)
+	if r := pass(); r.Adopted != 1 {
+		t.Fatalf("pass with an orphan %+v, want it adopted", r)
+	}
+	if _, ok := ourIDs(t, db, "lab")["orphan"]; !ok {
+		t.Fatal("orphan not in the BMDB")
+	}
+
+	// One machine gone at the provider: Missing, and back when it returns.
+	var gone string
+	for id := range ids {
+		gone = id
+		break
+	}
+	p.remove(gone)
+	if r := pass(); r.MarkedMissing != 1 {
+		t.Fatalf("pass with a machine gone %+v, want 1 marked missing", r)
+	}
+	if st := ourIDs(t, db, "lab")[gone]; st != bmdb.ProviderStatusMissing {
+		t.Fatalf("gone machine has status %q", st)
+	}
+	p.set(gone, provider.KnownUsed)
+	if r := pass(); r.Found != 1 {
+		t.Fatalf("pass with the machine back %+v, want it found", r)
+	}
+	if st := ourIDs(t, db, "lab")[gone]; st != bmdb.ProviderStatusRunning {
+		t.Fatalf("returned machine has status %q", st)
+	}
+
+	// A listing without most of the fleet is not believed.
+	before := ourIDs(t, db, "lab")
+	for id := range before {
+		p.remove(id)
+	}
+	if r := pass(); !r.Suspect {
+		t.Fatalf("pass over an implausible listing %+v, want it suspect", r)
+	}
+	if after := ourIDs(t, db, "lab"); fmt.Sprint(after) != fmt.Sprint(before) {
+		t.Fatalf("a suspect listing changed the BMDB: %v -> %v", before, after)
+	}
+}
+
+func TestProvisionerLease(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	p := newScripted("lab")
+	p.set("cap-1", provider.KnownUnused)
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{}, db.DB, p, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := bmdbtest.Session(t, db, "provisioner-a", time.Minute)
+	b := bmdbtest.Session(t, db, "provisioner-b", time.Minute)
+	held, err := a.AcquireProviderLease(t.Context(), "lab")
+	if err != nil || !held {
+		t.Fatalf("A could not take a free lease: %v", err)
+	}
+	if r, err := pr.Pass(t.Context(), b); err != nil || !r.Busy {
+		t.Fatalf("B's pass while A holds the lease: %+v, %v; want busy", r, err)
+	}
+	if err := a.ReleaseProviderLease(t.Context(), "lab"); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := pr.Pass(t.Context(), b); err != nil || r.Busy || r.Created != 1 {
+		t.Fatalf("B's pass after A released: %+v, %v", r, err)
+	}
+	// A lease held by a dead session is free.
+	held, err = a.AcquireProviderLease(t.Context(), "lab")
+	if err != nil || !held {
+		t.Fatalf("A could not take the lease B released after its pass: %v", err)
+	}
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE session_id = $1", a.ID())
+	if held, err := b.AcquireProviderLease(t.Context(), "lab"); err != nil || !held {
+		t.Fatalf("B could not take the lease of a dead session: %v", err)
+	}
+}

@@ -1,0 +1,280 @@
+package manager
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/provider"
+)
+
+// RecovererConfig configures the recoverer (SPEC §3.4). Zero values mean
+// defaults.
+type RecovererConfig struct {
+	Loop LoopConfig
+	// FirstHeartbeatTimeout and HeartbeatTimeout define a silent machine
+	// (bmdb.RecoveryCandidates); defaults 30m and 10m.
+	FirstHeartbeatTimeout, HeartbeatTimeout time.Duration
+	// MaxRebootsPerWindow caps reboots of the provider's fleet per Window;
+	// 0 means 5 % of the provider's machines, at least 1.
+	MaxRebootsPerWindow int
+	// Window is the breaker's window; default 10m.
+	Window time.Duration
+	// SilentFraction pauses all reboots while more than this fraction of
+	// started machines is silent: so many silent agents at once mean the
+	// heartbeat path is broken, not the machines. Default 0.25.
+	SilentFraction float64
+	// RebootTimeout bounds one reboot request; default 5m.
+	RebootTimeout time.Duration
+	// Backoff applies to failed reboots; default bmdb.RecoveryBackoff().
+	Backoff bmdb.BackoffPolicy
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c RecovererConfig) Validate() error {
+	if err := c.Loop.Validate("recoverer"); err != nil {
+		return err
+	}
+	switch {
+	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0:
+		return errors.New("recoverer: durations must be >= 0 (0 = default)")
+	case c.MaxRebootsPerWindow < 0:
+		return fmt.Errorf("recoverer: MaxRebootsPerWindow must be >= 0 (0 = 5%% of the fleet), got %d", c.MaxRebootsPerWindow)
+	case c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction):
+		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
+	}
+	if c.Backoff != (bmdb.BackoffPolicy{}) {
+		return c.Backoff.Validate()
+	}
+	return nil
+}
+
+// Recoverer reboots machines whose agent fell silent, through the provider,
+// and then clears their agent tags so that the initializer takes them over
+// again. A fleet-wide circuit breaker caps reboots.
+type Recoverer struct {
+	cfg     RecovererConfig
+	db      *bmdb.DB
+	p       provider.Provider
+	r       provider.Recoverer
+	runner  *Runner
+	log     *slog.Logger
+	breaker *breaker
+}
+
+// NewRecoverer validates cfg and returns the recoverer for provider p,
+// which must implement provider.Recoverer.
+func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg prometheus.Registerer, log *slog.Logger) (*Recoverer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	pr, ok := p.(provider.Recoverer)
+	if !ok {
+		return nil, fmt.Errorf("recoverer: provider %s cannot reboot machines", p.Name())
+	}
+	cfg.FirstHeartbeatTimeout = cmp.Or(cfg.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
+	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
+	cfg.Window = cmp.Or(cfg.Window, 10*time.Minute)
+	cfg.SilentFraction = cmp.Or(cfg.SilentFraction, 0.25)
+	cfg.RebootTimeout = cmp.Or(cfg.RebootTimeout, 5*time.Minute)
+	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
+		cfg.Backoff = bmdb.RecoveryBackoff()
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	rc := &Recoverer{cfg: cfg, db: db, p: p, r: pr, log: log.With("component", "recoverer", "provider", p.Name())}
+	b, err := newBreaker(rc, reg)
+	if err != nil {
+		return nil, err
+	}
+	rc.breaker = b
+	rc.runner, err = NewRunner("recoverer", cfg.Loop, Loop{
+		Process:    bmdb.ProcessRecovery,
+		Candidates: rc.candidates,
+		Backoff:    cfg.Backoff,
+		Do:         rc.recover,
+		Admit:      b.allow,
+	}, db, reg, log)
+	if err != nil {
+		return nil, err
+	}
+	return rc, nil
+}
+
+func (rc *Recoverer) candidates() bmdb.Candidates {
+	return bmdb.RecoveryCandidates(rc.p.Name(), rc.cfg.FirstHeartbeatTimeout, rc.cfg.HeartbeatTimeout)
+}
+
+// Run runs the recoverer until ctx ends.
+func (rc *Recoverer) Run(ctx context.Context) error { return rc.runner.Run(ctx) }
+
+// recover reboots one silent machine, if the breaker admits it.
+func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
+	max, err := rc.breaker.budget(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ok, _, err := t.Session.AdmitReboot(ctx, rc.p.Name(), rc.cfg.Window, max)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		// Another worker (or process) took the last reboot of the window
+		// between our check and our claim: give the machine back unjudged.
+		rc.breaker.refused(ctx)
+		return nil, errBreakerOpen
+	}
+	rctx, cancel := context.WithTimeout(ctx, rc.cfg.RebootTimeout)
+	defer cancel()
+	t.Log.InfoContext(ctx, "rebooting silent machine", "provider_id", t.Machine.ProviderID)
+	if err := rc.r.RebootMachine(rctx, t.Machine.ProviderID); err != nil {
+		return nil, fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
+	}
+	return func(ctx context.Context, tx *bmdb.Tx) error {
+		return tx.ClearAgent(ctx, t.Machine.MachineID)
+	}, nil
+}
+
+var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window used up: %w", ErrRetryLater)
+
+// breaker is the fleet-wide circuit breaker of SPEC §3.4. Its state comes
+// from the BMDB (reboots in the window, silent and started machines), so
+// every recoverer process sees the same picture.
+type breaker struct {
+	rc *Recoverer
+
+	mu        sync.Mutex
+	checkedAt time.Time
+	paused    string // "" or the reason: silent_fraction, reboot_budget
+	max       int64
+	loggedAt  time.Time
+
+	pausedGauge *prometheus.GaugeVec
+	rebootsG    prometheus.Gauge
+	budgetG     prometheus.Gauge
+}
+
+// breakerRefresh is how stale the breaker's view of the fleet may be.
+const breakerRefresh = 2 * time.Second
+
+func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
+	labels := prometheus.Labels{"provider": rc.p.Name()}
+	b := &breaker{
+		rc: rc,
+		pausedGauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name:        "shepherd_recovery_breaker_paused",
+			Help:        "1 while the recoverer's circuit breaker holds reboots back, by reason (silent_fraction, reboot_budget).",
+			ConstLabels: labels,
+		}, []string{"reason"}),
+		rebootsG: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name:        "shepherd_recovery_reboots_in_window",
+			Help:        "Reboots issued (or in flight) within the circuit breaker's window.",
+			ConstLabels: labels,
+		}),
+		budgetG: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name:        "shepherd_recovery_reboot_budget",
+			Help:        "Reboots the circuit breaker allows per window.",
+			ConstLabels: labels,
+		}),
+	}
+	for _, c := range []prometheus.Collector{b.pausedGauge, b.rebootsG, b.budgetG} {
+		if err := register(reg, c); err != nil {
+			return nil, fmt.Errorf("recoverer: %w", err)
+		}
+	}
+	b.pausedGauge.WithLabelValues("silent_fraction")
+	b.pausedGauge.WithLabelValues("reboot_budget")
+	return b, nil
+}
+
+// budget is the number of reboots allowed per window.
+func (b *breaker) budget(ctx context.Context) (int64, error) {
+	if err := b.refresh(ctx, false); err != nil {
+		return 0, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.max, nil
+}
+
+// allow reports whether the recoverer may claim now.
+func (b *breaker) allow(ctx context.Context) bool {
+	if err := b.refresh(ctx, false); err != nil {
+		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+		return false
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.paused == ""
+}
+
+// refused records that an admission found the budget used up, so that
+// the other workers stop claiming at once.
+func (b *breaker) refused(ctx context.Context) {
+	if err := b.refresh(ctx, true); err != nil {
+		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+	}
+}
+
+func (b *breaker) refresh(ctx context.Context, force bool) error {
+	b.mu.Lock()
+	fresh := !force && time.Since(b.checkedAt) < breakerRefresh
+	b.mu.Unlock()
+	if fresh {
+		return nil
+	}
+	rc := b.rc
+	provided, started, err := rc.db.ProviderAgentCounts(ctx, rc.p.Name())
+	if err != nil {
+		return err
+	}
+	silent, err := rc.db.CountMatching(ctx, rc.candidates())
+	if err != nil {
+		return err
+	}
+	reboots, err := rc.db.RecoveryReboots(ctx, rc.p.Name(), rc.cfg.Window)
+	if err != nil {
+		return err
+	}
+	max := int64(rc.cfg.MaxRebootsPerWindow)
+	if max == 0 {
+		max = int64(math.Max(1, math.Floor(0.05*float64(provided))))
+	}
+	paused := ""
+	switch {
+	case started > 0 && float64(silent) > rc.cfg.SilentFraction*float64(started):
+		paused = "silent_fraction"
+	case reboots >= max:
+		paused = "reboot_budget"
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.checkedAt, b.max = time.Now(), max
+	b.rebootsG.Set(float64(reboots))
+	b.budgetG.Set(float64(max))
+	for _, r := range []string{"silent_fraction", "reboot_budget"} {
+		v := 0.0
+		if r == paused {
+			v = 1
+		}
+		b.pausedGauge.WithLabelValues(r).Set(v)
+	}
+	if paused != "" && (b.paused != paused || time.Since(b.loggedAt) >= time.Minute) {
+		b.loggedAt = time.Now()
+		rc.log.WarnContext(ctx, "circuit breaker holds reboots back", "reason", paused,
+			"silent", silent, "started", started, "reboots_in_window", reboots, "budget", max, "window", rc.cfg.Window)
+	} else if paused == "" && b.paused != "" {
+		rc.log.InfoContext(ctx, "circuit breaker allows reboots again")
+	}
+	b.paused = paused
+	return nil
+}

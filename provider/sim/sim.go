@@ -1,0 +1,694 @@
+// Package sim is an in-process simulated fleet (SPEC §5.4). It backs
+// `shepherd dev` and the scale benchmarks, and lets tests inject faults.
+//
+// The simulation sits below Shepherd's real code paths, never beside them:
+// the initializer reaches a simulated machine over a real SSH connection
+// (golang.org/x/crypto/ssh over an in-process connection instead of TCP),
+// uploads the agent with real SFTP and runs the takeover with a real
+// TakeoverInit on stdin; the simulated agent then sends real heartbeat RPCs
+// over TLS to the callback server the TakeoverInit names, and reacts to its
+// answers (interval, installation requests) like the real daemon (§4.3).
+// The simulated machines have no shell: every command run over SSH is the
+// takeover, and SFTP keeps file names and sizes, never contents.
+//
+// Scale: a slot is a small struct in one slice, so 100,000 machines cost a
+// few megabytes until they are used. There is no goroutine per machine: SSH
+// connections exist only while a takeover runs, reboots are deadlines, and
+// one scheduler goroutine hands due heartbeats to a fixed pool of workers.
+// With SharedAgentKey, agents share a few TLS connections instead of owning
+// one each.
+package sim
+
+import (
+	"cmp"
+	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/shepherd/shepherd/provider"
+)
+
+// maxMachines bounds the fleet so that every slot id has the same width
+// ("sim-" and six digits) and every slot gets a distinct 10.x.y.z address.
+const maxMachines = 999_999
+
+// machinesPerRack is how many slots share a Location.
+const machinesPerRack = 100
+
+// idPrefix starts every slot id. Ids are not UUIDs on purpose: the
+// provider contract says ids are opaque strings.
+const idPrefix = "sim-"
+
+// idWidth is the length of every slot id.
+const idWidth = len(idPrefix) + 6
+
+// Config configures a simulated fleet. Zero values mean defaults.
+type Config struct {
+	// Name is the provider name recorded in the BMDB; default "sim".
+	Name string
+	// Machines is the fleet size (slots); default 50, at most 999,999.
+	Machines int
+	// SSHLatency is added when an SSH connection is opened (Dial).
+	SSHLatency time.Duration
+	// TakeoverLatency is how long the takeover command takes once its
+	// stdin is read.
+	TakeoverLatency time.Duration
+	// RebootLatency is how long a rebooting machine is unreachable over SSH.
+	RebootLatency time.Duration
+	// InstallLatency is how long a simulated OS installation takes.
+	InstallLatency time.Duration
+	// TakeoverFailureRate is the share (0..1) of takeovers that answer with
+	// a TakeoverError although their input was valid.
+	TakeoverFailureRate float64
+	// RebootFailureRate is the share (0..1) of reboots and reinstalls the
+	// provider refuses.
+	RebootFailureRate float64
+	// SSHFailureRate is the share (0..1) of SSH dials that fail.
+	SSHFailureRate float64
+	// SharedAgentKey makes every agent use one fleet-wide key and share
+	// Connections TLS connections, so 100,000 agents cost kilobytes each
+	// instead of a TLS connection each. By default every takeover generates
+	// a fresh key and the agent has its own connection, like a real agent.
+	SharedAgentKey bool
+	// Connections is the number of TLS connections agents share in
+	// SharedAgentKey mode; default 4.
+	Connections int
+	// HeartbeatConcurrency bounds the heartbeats in flight at once; default 64.
+	HeartbeatConcurrency int
+	// Seed makes host keys, the shared agent key and failure injection
+	// reproducible. Every value, 0 included, is a valid seed: the same seed
+	// gives the same host keys on every run, as real machines keep theirs.
+	Seed int64
+	// Logger receives the fleet's logs; nil discards them.
+	Logger *slog.Logger
+	// Registerer receives the fleet's metrics; nil keeps them private.
+	Registerer prometheus.Registerer
+}
+
+// Validate names the first bad field and its value. It changes nothing.
+func (c Config) Validate() error {
+	switch {
+	case c.Machines < 0 || c.Machines > maxMachines:
+		return fmt.Errorf("sim: Machines must be 0 (default 50) to %d, got %d", maxMachines, c.Machines)
+	case c.SSHLatency < 0:
+		return fmt.Errorf("sim: SSHLatency must be >= 0, got %s", c.SSHLatency)
+	case c.TakeoverLatency < 0:
+		return fmt.Errorf("sim: TakeoverLatency must be >= 0, got %s", c.TakeoverLatency)
+	case c.RebootLatency < 0:
+		return fmt.Errorf("sim: RebootLatency must be >= 0, got %s", c.RebootLatency)
+	case c.InstallLatency < 0:
+		return fmt.Errorf("sim: InstallLatency must be >= 0, got %s", c.InstallLatency)
+	case c.Connections < 0:
+		return fmt.Errorf("sim: Connections must be >= 0 (0 = default), got %d", c.Connections)
+	case c.HeartbeatConcurrency < 0:
+		return fmt.Errorf("sim: HeartbeatConcurrency must be >= 0 (0 = default), got %d", c.HeartbeatConcurrency)
+	case c.Name != "" && !validName(c.Name):
+		return fmt.Errorf("sim: Name must be letters, digits, '-' and '_', got %q", c.Name)
+	}
+	for _, r := range []struct {
+		name string
+		v    float64
+	}{
+		{"TakeoverFailureRate", c.TakeoverFailureRate},
+		{"RebootFailureRate", c.RebootFailureRate},
+		{"SSHFailureRate", c.SSHFailureRate},
+	} {
+		if math.IsNaN(r.v) || r.v < 0 || r.v > 1 {
+			return fmt.Errorf("sim: %s must be between 0 and 1, got %v", r.name, r.v)
+		}
+	}
+	return nil
+}
+
+func validName(s string) bool {
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+			return false
+		}
+	}
+	return len(s) <= 64
+}
+
+// slot is one simulated machine. It is kept small because a fleet holds
+// 100,000 of them in one slice: everything that only exists while a machine
+// is busy (its agent, its files, its SSH connections) lives elsewhere.
+type slot struct {
+	agent *daemon // the running agent; nil if none
+	// rebootUntil is when a rebooting machine answers SSH again, as an
+	// offset from Fleet.start; 0 if it is not rebooting.
+	rebootUntil time.Duration
+	// lastReboot is when the provider last rebooted the machine (offset
+	// from Fleet.start); lastHeartbeat when its agent last got an answer.
+	lastReboot    time.Duration
+	lastHeartbeat time.Duration
+	// installed is the highest installation generation an agent of this
+	// machine started, like the real agent's state file: a generation is
+	// never installed twice, not even by the agent of a later takeover.
+	installed int64
+	// boot counts everything that ends the machine's running system
+	// (reboot, reinstall, kill), so a takeover that raced with one does
+	// not start an agent on a system that is gone.
+	boot       uint32
+	reboots    uint32
+	reinstalls uint32 // mixed into the host key: a reinstall changes it
+	used       bool
+	killed     bool
+}
+
+// Fleet is a simulated fleet. It implements provider.Provider,
+// provider.Recoverer, provider.SSHAccessor and provider.Runner. Create it
+// with New and run its heartbeats with Run.
+type Fleet struct {
+	cfg     Config
+	log     *slog.Logger
+	metrics *metrics
+	start   time.Time // the origin of every time offset in slots and agents
+	ids     string    // every slot id, idWidth bytes each: ID() slices it, allocating nothing
+	hostKey [32]byte  // seeds every host key
+	// agentKey is the fleet-wide agent key in SharedAgentKey mode.
+	agentKey ed25519.PrivateKey
+
+	mu    sync.Mutex
+	slots []slot
+	rng   *rand.Rand // failure injection; guarded by mu
+	// files are the SFTP file systems of machines that were uploaded to
+	// since they last booted; few machines have one at a time.
+	files map[int32]*memFS
+	// conns are the open SSH connections by machine; they exist only
+	// while a takeover runs.
+	conns   map[int32]map[net.Conn]struct{}
+	queue   agentQueue             // agents waiting for their next heartbeat
+	pools   map[string]*sharedPool // shared-key clients by endpoint and CA
+	stats   Stats
+	running bool // Run was called
+	stopped bool // Run returned: nothing may start any more
+
+	wake  chan struct{}  // tells the scheduler the queue's head changed
+	conWG sync.WaitGroup // goroutines serving SSH connections
+}
+
+// New validates cfg and returns a fleet of cfg.Machines unused slots.
+func New(cfg Config) (*Fleet, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Name = cmp.Or(cfg.Name, "sim")
+	cfg.Machines = cmp.Or(cfg.Machines, 50)
+	cfg.Connections = cmp.Or(cfg.Connections, 4)
+	cfg.HeartbeatConcurrency = cmp.Or(cfg.HeartbeatConcurrency, 64)
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reg := cfg.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	m, err := newMetrics(reg, cfg.Name)
+	if err != nil {
+		return nil, err
+	}
+	var ids strings.Builder
+	ids.Grow(cfg.Machines * idWidth)
+	for i := range cfg.Machines {
+		fmt.Fprintf(&ids, "%s%06d", idPrefix, i+1)
+	}
+	var seed [8]byte
+	binary.BigEndian.PutUint64(seed[:], uint64(cfg.Seed))
+	f := &Fleet{
+		cfg:      cfg,
+		log:      log.With("component", "sim", "provider", cfg.Name),
+		metrics:  m,
+		start:    time.Now(),
+		ids:      ids.String(),
+		hostKey:  sha256.Sum256(append([]byte("shepherd-sim host keys\x00"), seed[:]...)),
+		slots:    make([]slot, cfg.Machines),
+		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5368657068657264)), // "Shepherd"
+		files:    map[int32]*memFS{},
+		conns:    map[int32]map[net.Conn]struct{}{},
+		pools:    map[string]*sharedPool{},
+		wake:     make(chan struct{}, 1),
+		agentKey: ed25519.NewKeyFromSeed(sha256Of("shepherd-sim agent key\x00", seed[:])),
+	}
+	f.stats.Slots = cfg.Machines
+	return f, nil
+}
+
+func sha256Of(parts ...any) []byte {
+	h := sha256.New()
+	for _, p := range parts {
+		switch p := p.(type) {
+		case string:
+			io.WriteString(h, p)
+		case []byte:
+			h.Write(p)
+		}
+	}
+	return h.Sum(nil)
+}
+
+// now is the time since the fleet started: monotonic, and 8 bytes where a
+// time.Time would take 24 in every slot.
+func (f *Fleet) now() time.Duration { return time.Since(f.start) }
+
+// at turns an offset from f.start back into a time; 0 is the zero time.
+func (f *Fleet) at(d time.Duration) time.Time {
+	if d == 0 {
+		return time.Time{}
+	}
+	return f.start.Add(d)
+}
+
+// id returns slot i's provider id without allocating.
+func (f *Fleet) id(i int32) string { return f.ids[int(i)*idWidth : int(i+1)*idWidth] }
+
+// index parses a slot id; ok is false for anything New did not hand out.
+func (f *Fleet) index(id string) (int32, bool) {
+	if len(id) != idWidth || !strings.HasPrefix(id, idPrefix) {
+		return 0, false
+	}
+	n, err := strconv.Atoi(id[len(idPrefix):])
+	if err != nil || n < 1 || n > len(f.slots) || f.id(int32(n-1)) != id {
+		return 0, false
+	}
+	return int32(n - 1), true
+}
+
+// lookup returns the index of slot id or an error wrapping
+// provider.ErrNotFound.
+func (f *Fleet) lookup(id string) (int32, error) {
+	i, ok := f.index(id)
+	if !ok {
+		return 0, fmt.Errorf("sim: machine %q: %w", id, provider.ErrNotFound)
+	}
+	return i, nil
+}
+
+// chance draws from the seeded generator; f.mu must be held.
+func (f *Fleet) chance(rate float64) bool {
+	return rate > 0 && f.rng.Float64() < rate
+}
+
+// Name returns the provider name.
+func (f *Fleet) Name() string { return f.cfg.Name }
+
+// machine is a slot as ListMachines and GetMachine report it: a small value
+// computed from the slot, so listing 100,000 slots allocates little.
+type machine struct {
+	id     string
+	index  int32
+	used   bool
+	killed bool
+}
+
+var _ provider.Described = (*machine)(nil)
+
+// ID returns the slot id, "sim-000001" and up.
+func (m *machine) ID() string { return m.id }
+
+// Addr is a fake address unique per slot, 10.x.y.z:22. Nothing dials it:
+// SSH goes through SSHAccess.Dial.
+func (m *machine) Addr() netip.AddrPort {
+	n := uint32(m.index) + 1
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, byte(n >> 16), byte(n >> 8), byte(n)}), 22)
+}
+
+// Availability is KnownUnused for free slots and KnownUsed for slots turned
+// into machines of ours.
+func (m *machine) Availability() provider.Availability {
+	if m.used {
+		return provider.KnownUsed
+	}
+	return provider.KnownUnused
+}
+
+// Failed is always false: simulated machines fail through Kill, which a
+// provider reports as a stopped machine, not as given up on.
+func (m *machine) Failed() bool { return false }
+
+// Location is the machine's rack, 100 machines per rack.
+func (m *machine) Location() string {
+	return fmt.Sprintf("sim-rack-%02d", int(m.index)/machinesPerRack+1)
+}
+
+// ReservationID is empty: simulated slots have no reservations.
+func (m *machine) ReservationID() string { return "" }
+
+// Status is Running, or Stopped while the machine is killed.
+func (m *machine) Status() provider.Status {
+	if m.killed {
+		return provider.StatusStopped
+	}
+	return provider.StatusRunning
+}
+
+// machineLocked describes slot i; f.mu must be held.
+func (f *Fleet) machineLocked(i int32) machine {
+	s := &f.slots[i]
+	return machine{id: f.id(i), index: i, used: s.used, killed: s.killed}
+}
+
+// ListMachines returns every slot, sorted by id.
+func (f *Fleet) ListMachines(ctx context.Context) ([]provider.Machine, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	ms := make([]machine, len(f.slots))
+	out := make([]provider.Machine, len(f.slots))
+	f.mu.Lock()
+	for i := range ms {
+		ms[i] = f.machineLocked(int32(i))
+	}
+	f.mu.Unlock()
+	for i := range ms {
+		out[i] = &ms[i]
+	}
+	return out, nil
+}
+
+// GetMachine returns slot id, or an error wrapping provider.ErrNotFound.
+func (f *Fleet) GetMachine(ctx context.Context, id string) (provider.Machine, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	i, err := f.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	m := f.machineLocked(i)
+	f.mu.Unlock()
+	return &m, nil
+}
+
+// CreateMachine marks the slot req.From names as used and returns it.
+// Creating from a slot that is already used returns the same machine, so
+// a retried or concurrent create never makes a second one.
+func (f *Fleet) CreateMachine(ctx context.Context, req provider.CreateRequest) (provider.Machine, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if req.From == nil {
+		return nil, errors.New("sim: CreateRequest.From is required")
+	}
+	i, err := f.lookup(req.From.ID())
+	if err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	if !f.slots[i].used {
+		f.slots[i].used = true
+		f.stats.Used++
+	}
+	m := f.machineLocked(i)
+	f.mu.Unlock()
+	f.log.DebugContext(ctx, "machine created", "provider_id", m.id)
+	return &m, nil
+}
+
+// RebootMachine reboots a machine: its agent stops at once and it does not
+// answer SSH for RebootLatency; then it is reachable again, without an
+// agent, like a machine rebooted into a rescue system. It fails for a
+// killed or unused machine and with RebootFailureRate.
+func (f *Fleet) RebootMachine(ctx context.Context, id string) error {
+	return f.reboot(ctx, id, false)
+}
+
+// ReinstallMachine is a reboot that also changes the machine's SSH host
+// key, as reinstalling its operating system would.
+func (f *Fleet) ReinstallMachine(ctx context.Context, id string) error {
+	return f.reboot(ctx, id, true)
+}
+
+func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
+	what := "rebooting"
+	if reinstall {
+		what = "reinstalling"
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("sim: %s %s: %w", what, id, err)
+	}
+	i, err := f.lookup(id)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	s := &f.slots[i]
+	switch {
+	case !s.used:
+		err = fmt.Errorf("sim: %s %s: the machine is not provisioned", what, id)
+	case s.killed:
+		err = fmt.Errorf("sim: %s %s: the machine does not respond (killed)", what, id)
+	case f.chance(f.cfg.RebootFailureRate):
+		err = fmt.Errorf("sim: %s %s: injected failure", what, id)
+	}
+	if err != nil {
+		f.stats.RebootsFailed++
+		f.mu.Unlock()
+		f.metrics.reboots.WithLabelValues("error").Inc()
+		return err
+	}
+	now := f.now()
+	if reinstall {
+		s.reinstalls++
+	}
+	s.reboots++
+	s.lastReboot = now
+	s.rebootUntil = now + f.cfg.RebootLatency
+	closeAfter := f.shutdownLocked(i)
+	f.stats.Reboots++
+	f.mu.Unlock()
+	closeAfter()
+	f.metrics.reboots.WithLabelValues("ok").Inc()
+	f.log.InfoContext(ctx, "machine rebooted", "provider_id", id, "reinstall", reinstall)
+	return nil
+}
+
+// shutdownLocked ends slot i's running system: its agent, its files and
+// its SSH connections. f.mu must be held; the returned func closes what
+// must be closed outside the lock.
+func (f *Fleet) shutdownLocked(i int32) func() {
+	s := &f.slots[i]
+	s.boot++
+	var client *http.Client
+	if s.agent != nil {
+		client = f.stopAgentLocked(s.agent)
+	}
+	delete(f.files, i)
+	conns := f.conns[i]
+	delete(f.conns, i)
+	return func() {
+		closeIdle(client)
+		for c := range conns {
+			c.Close()
+		}
+	}
+}
+
+// Silence makes the machine's agent stop sending heartbeats while the
+// machine stays up, like a hung agent. Revive, a reboot or a new takeover
+// ends it.
+func (f *Fleet) Silence(id string) error {
+	i, err := f.lookup(id)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	a := f.slots[i].agent
+	if a == nil {
+		return fmt.Errorf("sim: silencing %s: no agent runs on it", id)
+	}
+	if !a.silenced {
+		a.silenced = true
+		f.queue.remove(a)
+		f.stats.AgentsSilenced++
+	}
+	return nil
+}
+
+// Kill makes the machine die: it does not answer SSH, its agent is gone,
+// and reboots fail, until Revive.
+func (f *Fleet) Kill(id string) error {
+	i, err := f.lookup(id)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	s := &f.slots[i]
+	if s.killed {
+		f.mu.Unlock()
+		return nil
+	}
+	s.killed = true
+	f.stats.Killed++
+	closeAfter := f.shutdownLocked(i)
+	f.mu.Unlock()
+	closeAfter()
+	f.log.Info("machine killed", "provider_id", id)
+	return nil
+}
+
+// Revive undoes Kill: the machine is powered on again and boots without an
+// agent. On a machine that was only silenced, it makes the agent resume
+// its heartbeats.
+func (f *Fleet) Revive(id string) error {
+	i, err := f.lookup(id)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := &f.slots[i]
+	if s.killed {
+		s.killed = false
+		f.stats.Killed--
+	}
+	if a := s.agent; a != nil && a.silenced {
+		a.silenced = false
+		f.stats.AgentsSilenced--
+		if !a.inflight {
+			f.scheduleLocked(a, f.now())
+		}
+	}
+	f.log.Info("machine revived", "provider_id", id)
+	return nil
+}
+
+// Stats counts what the fleet holds and did.
+type Stats struct {
+	Slots          int // machines in the fleet
+	Used           int // slots turned into machines of ours (CreateMachine, Adopt)
+	Killed         int // machines killed and not revived
+	AgentsRunning  int // agents started and not stopped, silenced ones included
+	AgentsSilenced int // running agents that send no heartbeats
+	SSHConnections int // SSH connections open now
+
+	HeartbeatsOK     int64 // heartbeats the server answered
+	HeartbeatsFailed int64 // heartbeats that failed (network, TLS, rejected)
+	Takeovers        int64 // takeovers that started an agent
+	TakeoversFailed  int64 // takeovers that answered with a TakeoverError
+	Reboots          int64 // reboots and reinstalls through the provider
+	RebootsFailed    int64 // reboots and reinstalls the provider refused
+	Installations    int64 // installations carried out
+}
+
+// Stats returns the fleet's counts.
+func (f *Fleet) Stats() Stats {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	st := f.stats
+	for _, cs := range f.conns {
+		st.SSHConnections += len(cs)
+	}
+	return st
+}
+
+// Rebooted returns when the provider last rebooted (or reinstalled) the
+// machine and how many times it did; the zero time and 0 if never or if
+// id is unknown. Reboots an installation asks for are not counted: they
+// are the agent's, not the provider's.
+func (f *Fleet) Rebooted(id string) (at time.Time, n int) {
+	i, ok := f.index(id)
+	if !ok {
+		return time.Time{}, 0
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := &f.slots[i]
+	return f.at(s.lastReboot), int(s.reboots)
+}
+
+// LastHeartbeat returns when the machine's agent (the current one or an
+// earlier one) last got a successful answer to a heartbeat; the zero time
+// if never.
+func (f *Fleet) LastHeartbeat(id string) time.Time {
+	i, ok := f.index(id)
+	if !ok {
+		return time.Time{}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.at(f.slots[i].lastHeartbeat)
+}
+
+// yamlConfig is Config as the provider's YAML configuration spells it.
+type yamlConfig struct {
+	Name                 string        `yaml:"name"`
+	Machines             int           `yaml:"machines"`
+	SSHLatency           time.Duration `yaml:"ssh_latency"`
+	TakeoverLatency      time.Duration `yaml:"takeover_latency"`
+	RebootLatency        time.Duration `yaml:"reboot_latency"`
+	InstallLatency       time.Duration `yaml:"install_latency"`
+	TakeoverFailureRate  float64       `yaml:"takeover_failure_rate"`
+	RebootFailureRate    float64       `yaml:"reboot_failure_rate"`
+	SSHFailureRate       float64       `yaml:"ssh_failure_rate"`
+	SharedAgentKey       bool          `yaml:"shared_agent_key"`
+	Connections          int           `yaml:"connections"`
+	HeartbeatConcurrency int           `yaml:"heartbeat_concurrency"`
+	Seed                 int64         `yaml:"seed"`
+}
+
+// ParseConfig reads a fleet's YAML configuration: Config's fields in
+// snake_case, durations like "10ms". Unknown keys are errors, so a typo
+// does not silently leave a default in force. Empty input gives defaults.
+func ParseConfig(data []byte) (Config, error) {
+	var y yamlConfig
+	dec := yaml.NewDecoder(strings.NewReader(string(data)))
+	dec.KnownFields(true)
+	if err := dec.Decode(&y); err != nil && !errors.Is(err, io.EOF) {
+		return Config{}, fmt.Errorf("sim: parsing configuration: %w", err)
+	}
+	cfg := Config{
+		Name:                 y.Name,
+		Machines:             y.Machines,
+		SSHLatency:           y.SSHLatency,
+		TakeoverLatency:      y.TakeoverLatency,
+		RebootLatency:        y.RebootLatency,
+		InstallLatency:       y.InstallLatency,
+		TakeoverFailureRate:  y.TakeoverFailureRate,
+		RebootFailureRate:    y.RebootFailureRate,
+		SSHFailureRate:       y.SSHFailureRate,
+		SharedAgentKey:       y.SharedAgentKey,
+		Connections:          y.Connections,
+		HeartbeatConcurrency: y.HeartbeatConcurrency,
+		Seed:                 y.Seed,
+	}
+	return cfg, cfg.Validate()
+}
+
+// Factory creates a fleet from its YAML configuration (see ParseConfig),
+// with the logger and registerer of env. The process must run the fleet
+// (it is a provider.Runner) for its agents to send heartbeats.
+func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Provider, error) {
+	cfg, err := ParseConfig(config)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Logger, cfg.Registerer = env.Logger, env.Registerer
+	return New(cfg)
+}
+
+var (
+	_ provider.Provider    = (*Fleet)(nil)
+	_ provider.Recoverer   = (*Fleet)(nil)
+	_ provider.SSHAccessor = (*Fleet)(nil)
+	_ provider.Runner      = (*Fleet)(nil)
+)

@@ -1,0 +1,391 @@
+package sim
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/pkg/sftp"
+	"golang.org/x/crypto/ssh"
+	"google.golang.org/protobuf/proto"
+
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/provider"
+)
+
+// maxInitBytes bounds the TakeoverInit read from stdin, as the real agent
+// bounds it.
+const maxInitBytes = 64 << 10
+
+// stdinTimeout bounds how long a takeover waits for its stdin to end, as
+// the real agent's default StdinTimeout does.
+const stdinTimeout = 10 * time.Second
+
+// ErrUnreachable is wrapped by SSH dials that fail because the machine is
+// down (killed, rebooting, not provisioned) or because a failure was
+// injected.
+var ErrUnreachable = errors.New("sim: machine unreachable over SSH")
+
+// SSHAccess tells the initializer how to reach a simulated machine: the
+// initializer's own user and key (the simulated SSH server accepts anyone),
+// trust on first use for the host key, and a Dial that hands out
+// in-process connections.
+func (f *Fleet) SSHAccess(ctx context.Context, id string) (provider.SSHAccess, error) {
+	if err := ctx.Err(); err != nil {
+		return provider.SSHAccess{}, err
+	}
+	i, err := f.lookup(id)
+	if err != nil {
+		return provider.SSHAccess{}, err
+	}
+	return provider.SSHAccess{Dial: func(ctx context.Context) (net.Conn, error) { return f.dial(ctx, i) }}, nil
+}
+
+// dial waits SSHLatency, then returns one end of an in-process connection
+// (see pipe) whose other end an SSH server of machine i serves, unless the
+// machine cannot be reached.
+func (f *Fleet) dial(ctx context.Context, i int32) (net.Conn, error) {
+	id := f.id(i)
+	if d := f.cfg.SSHLatency; d > 0 {
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("sim: dialing %s: %w", id, ctx.Err())
+		case <-t.C:
+		}
+	} else if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("sim: dialing %s: %w", id, err)
+	}
+	f.mu.Lock()
+	s := &f.slots[i]
+	var why string
+	switch {
+	case f.stopped:
+		why = "the simulated fleet has stopped"
+	case !s.used:
+		why = "the machine is not provisioned"
+	case s.killed:
+		why = "no route to host (machine killed)"
+	case s.rebootUntil > f.now():
+		why = "connection refused (machine rebooting)"
+	case f.chance(f.cfg.SSHFailureRate):
+		why = "connection timed out (injected failure)"
+	}
+	if why != "" {
+		f.mu.Unlock()
+		return nil, fmt.Errorf("%w: dialing %s: %s", ErrUnreachable, id, why)
+	}
+	boot, reinstalls := s.boot, s.reinstalls
+	client, server := pipe(id + ":22")
+	if f.conns[i] == nil {
+		f.conns[i] = map[net.Conn]struct{}{}
+	}
+	f.conns[i][server] = struct{}{}
+	f.conWG.Go(func() { f.serveConn(i, boot, reinstalls, server) })
+	f.mu.Unlock()
+	return client, nil
+}
+
+// HostKey returns machine id's SSH host key as it is now; it changes with
+// every ReinstallMachine.
+func (f *Fleet) HostKey(id string) (ssh.PublicKey, error) {
+	i, err := f.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	n := f.slots[i].reinstalls
+	f.mu.Unlock()
+	signer, err := f.hostSigner(i, n)
+	if err != nil {
+		return nil, err
+	}
+	return signer.PublicKey(), nil
+}
+
+// hostSigner derives machine i's host key after reinstalls reinstallations
+// from the fleet's seed: nothing is stored per slot, and the same seed
+// gives the same keys in every run.
+func (f *Fleet) hostSigner(i int32, reinstalls uint32) (ssh.Signer, error) {
+	var n [8]byte
+	binary.BigEndian.PutUint32(n[:4], uint32(i))
+	binary.BigEndian.PutUint32(n[4:], reinstalls)
+	key := ed25519.NewKeyFromSeed(sha256Of(f.hostKey[:], f.id(i), n[:]))
+	signer, err := ssh.NewSignerFromKey(key)
+	if err != nil {
+		return nil, fmt.Errorf("sim: host key of %s: %w", f.id(i), err)
+	}
+	return signer, nil
+}
+
+// serveConn is the SSH server of one connection to machine i, booted as
+// boot. It returns when the connection closes.
+func (f *Fleet) serveConn(i int32, boot, reinstalls uint32, conn net.Conn) {
+	defer func() {
+		conn.Close()
+		f.mu.Lock()
+		if cs := f.conns[i]; cs != nil {
+			delete(cs, conn)
+			if len(cs) == 0 {
+				delete(f.conns, i)
+			}
+		}
+		f.mu.Unlock()
+	}()
+	signer, err := f.hostSigner(i, reinstalls)
+	if err != nil {
+		f.log.Error("serving SSH", "provider_id", f.id(i), "err", err)
+		return
+	}
+	// Every key and every password is accepted: the simulator checks
+	// nothing about who takes its machines over.
+	cfg := &ssh.ServerConfig{
+		PublicKeyCallback: func(ssh.ConnMetadata, ssh.PublicKey) (*ssh.Permissions, error) { return nil, nil },
+		PasswordCallback:  func(ssh.ConnMetadata, []byte) (*ssh.Permissions, error) { return nil, nil },
+		ServerVersion:     "SSH-2.0-shepherd-sim",
+	}
+	cfg.AddHostKey(signer)
+	// The handshake is bounded like a real sshd's login grace time, so a
+	// client that dials and never speaks does not hold the goroutine.
+	_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
+	sc, chans, reqs, err := ssh.NewServerConn(conn, cfg)
+	if err != nil {
+		f.log.Debug("SSH handshake failed", "provider_id", f.id(i), "err", err)
+		return
+	}
+	_ = conn.SetDeadline(time.Time{})
+	defer sc.Close()
+	// Connection-level requests (keepalives) need an answer; there are none
+	// we serve.
+	f.conWG.Go(func() { ssh.DiscardRequests(reqs) })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel() // the connection is gone: stop its sessions' work
+	for nc := range chans {
+		if nc.ChannelType() != "session" {
+			_ = nc.Reject(ssh.UnknownChannelType, "only session channels are served")
+			continue
+		}
+		ch, chReqs, err := nc.Accept()
+		if err != nil {
+			continue
+		}
+		f.conWG.Go(func() { f.serveSession(ctx, i, boot, ch, chReqs) })
+	}
+}
+
+// serveSession serves one session channel: an "sftp" subsystem or an exec,
+// which is the takeover whatever the command. Everything else is refused.
+func (f *Fleet) serveSession(ctx context.Context, i int32, boot uint32, ch ssh.Channel, reqs <-chan *ssh.Request) {
+	// The request channel closes with the SSH channel, however it ends
+	// (the client closed the session, the connection died), which stops
+	// the work started for it.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	started := false
+	for req := range reqs {
+		var run func()
+		switch req.Type {
+		case "exec":
+			run = func() { f.runTakeover(ctx, i, boot, ch) }
+		case "subsystem":
+			var sub struct{ Name string }
+			if ssh.Unmarshal(req.Payload, &sub) == nil && sub.Name == "sftp" {
+				run = func() { f.runSFTP(i, ch) }
+			}
+		}
+		ok := run != nil && !started // one program per session, as in sshd
+		if req.WantReply {
+			_ = req.Reply(ok, nil)
+		}
+		if ok {
+			started = true
+			f.conWG.Go(run)
+		}
+	}
+}
+
+// exit reports status as the command's exit status and closes the channel.
+func exit(ch ssh.Channel, status uint32) {
+	_, _ = ch.SendRequest("exit-status", false, ssh.Marshal(struct{ Status uint32 }{status}))
+	_ = ch.Close()
+}
+
+// runSFTP serves SFTP on ch from machine i's in-memory file system.
+func (f *Fleet) runSFTP(i int32, ch ssh.Channel) {
+	f.mu.Lock()
+	fs := f.files[i]
+	if fs == nil {
+		fs = newMemFS()
+		f.files[i] = fs
+	}
+	f.mu.Unlock()
+	srv := sftp.NewRequestServer(ch, fs.handlers())
+	if err := srv.Serve(); err != nil && !errors.Is(err, io.EOF) {
+		f.log.Debug("SFTP session ended", "provider_id", f.id(i), "err", err)
+	}
+	srv.Close()
+	exit(ch, 0)
+}
+
+// runTakeover is the simulated agent binary run with a TakeoverInit on
+// stdin: like the real one it always exits 0 and puts what went wrong into
+// a TakeoverError on stdout.
+func (f *Fleet) runTakeover(ctx context.Context, i int32, boot uint32, ch ssh.Channel) {
+	resp := f.takeover(ctx, i, boot, ch)
+	if resp == nil {
+		_ = ch.Close() // the connection or the machine is gone; nobody reads an answer
+		return
+	}
+	out, err := proto.Marshal(resp)
+	if err == nil {
+		_, err = ch.Write(out)
+	}
+	if err != nil {
+		f.log.Debug("writing takeover response", "provider_id", f.id(i), "err", err)
+	}
+	exit(ch, 0)
+}
+
+func takeoverError(format string, args ...any) *agentv1.TakeoverResponse {
+	return &agentv1.TakeoverResponse{Result: &agentv1.TakeoverResponse_Error{
+		Error: &agentv1.TakeoverError{Message: fmt.Sprintf(format, args...)},
+	}}
+}
+
+// takeover reads the TakeoverInit, waits TakeoverLatency and starts (or
+// replaces) machine i's agent. It returns nil if ctx ended first.
+func (f *Fleet) takeover(ctx context.Context, i int32, boot uint32, stdin io.Reader) *agentv1.TakeoverResponse {
+	id := f.id(i)
+	resp := f.takeoverResult(ctx, i, boot, stdin)
+	if resp == nil {
+		return nil
+	}
+	if e := resp.GetError(); e != nil {
+		f.mu.Lock()
+		f.stats.TakeoversFailed++
+		f.mu.Unlock()
+		f.metrics.takeovers.WithLabelValues("error").Inc()
+		f.log.InfoContext(ctx, "takeover failed", "provider_id", id, "err", e.GetMessage())
+		return resp
+	}
+	f.metrics.takeovers.WithLabelValues("ok").Inc()
+	f.log.InfoContext(ctx, "agent started", "provider_id", id, "machine_id", resp.GetSuccess().GetInitMessage().GetMachineId())
+	return resp
+}
+
+func (f *Fleet) takeoverResult(ctx context.Context, i int32, boot uint32, stdin io.Reader) *agentv1.TakeoverResponse {
+	raw, err := f.readInit(ctx, stdin)
+	if ctx.Err() != nil {
+		return nil
+	}
+	if err != nil {
+		return takeoverError("%v", err)
+	}
+	if d := f.cfg.TakeoverLatency; d > 0 {
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+	var init agentv1.TakeoverInit
+	if err := proto.Unmarshal(raw, &init); err != nil {
+		return takeoverError("stdin does not hold a TakeoverInit: %v", err)
+	}
+	if err := validateInit(&init); err != nil {
+		return takeoverError("invalid TakeoverInit: %v", err)
+	}
+	f.mu.Lock()
+	fail := f.chance(f.cfg.TakeoverFailureRate)
+	f.mu.Unlock()
+	if fail {
+		return takeoverError("starting the agent daemon: injected failure")
+	}
+	key := f.agentKey
+	if !f.cfg.SharedAgentKey {
+		if _, key, err = ed25519.GenerateKey(rand.Reader); err != nil {
+			return takeoverError("generating a key pair: %v", err)
+		}
+	}
+	a, err := f.newAgent(i, &init, key)
+	if err != nil {
+		return takeoverError("starting the agent daemon: %v", err)
+	}
+	if err := f.startAgent(a, boot); err != nil {
+		return takeoverError("starting the agent daemon: %v", err)
+	}
+	return &agentv1.TakeoverResponse{Result: &agentv1.TakeoverResponse_Success{Success: &agentv1.TakeoverSuccess{
+		InitMessage: &init,
+		PublicKey:   key.Public().(ed25519.PublicKey),
+	}}}
+}
+
+// readInit reads stdin to its end, at most maxInitBytes, within
+// stdinTimeout. The reader goroutine ends when the channel closes, which
+// happens right after a timeout (the answer is written and the channel
+// closed) or when the connection goes.
+func (f *Fleet) readInit(ctx context.Context, stdin io.Reader) ([]byte, error) {
+	type result struct {
+		data []byte
+		err  error
+	}
+	ch := make(chan result, 1)
+	f.conWG.Go(func() {
+		data, err := io.ReadAll(io.LimitReader(stdin, maxInitBytes+1))
+		ch <- result{data, err}
+	})
+	t := time.NewTimer(stdinTimeout)
+	defer t.Stop()
+	select {
+	case r := <-ch:
+		switch {
+		case r.err != nil:
+			return nil, fmt.Errorf("reading TakeoverInit from stdin: %w", r.err)
+		case len(r.data) == 0:
+			return nil, errors.New("stdin is empty: expected a TakeoverInit")
+		case len(r.data) > maxInitBytes:
+			return nil, fmt.Errorf("stdin holds more than %d bytes: not a TakeoverInit", maxInitBytes)
+		}
+		return r.data, nil
+	case <-t.C:
+		return nil, fmt.Errorf("no TakeoverInit on stdin within %s (stdin must be closed after it)", stdinTimeout)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// validateInit checks a TakeoverInit as the real agent does.
+func validateInit(init *agentv1.TakeoverInit) error {
+	if _, err := uuid.Parse(init.GetMachineId()); err != nil {
+		return fmt.Errorf("machine_id %q is not a UUID", init.GetMachineId())
+	}
+	return validateEndpoint(init.GetServerEndpoint(), init.GetCaCertificate())
+}
+
+func validateEndpoint(endpoint string, caDER []byte) error {
+	host, port, err := net.SplitHostPort(endpoint)
+	if err != nil || host == "" {
+		return fmt.Errorf("server_endpoint %q is not host:port", endpoint)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("server_endpoint %q has no valid port", endpoint)
+	}
+	if len(caDER) > 0 {
+		if _, err := x509.ParseCertificate(caDER); err != nil {
+			return fmt.Errorf("ca_certificate: %w", err)
+		}
+	}
+	return nil
+}

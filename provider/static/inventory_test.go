@@ -1,0 +1,316 @@
+package static
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/provider"
+)
+
+func TestBrokenInventories(t *testing.T) {
+	t.Parallel()
+	_, goodKey := newKey(t)
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	block, err := ssh.MarshalPrivateKeyWithPassphrase(priv, "", []byte("passphrase"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lockedKey := pem.EncodeToMemory(block)
+	env := envMap(map[string]string{"PW": "pw", "EMPTY": "", "NOT_A_KEY": "garbage", "LOCKED_KEY": string(lockedKey), "KEY": string(goodKey)})
+
+	// In inventories and wants, DIR is the test's directory (which holds
+	// the inventory) and FILE is the inventory's path.
+	tests := []struct {
+		name, inventory, want string
+	}{
+		{"bad YAML syntax", `
+machines:
+  - id: a
+    address: [10.0.0.1
+`, `FILE:4: did not find expected ',' or ']'`},
+		{"tab indentation", "machines:\n\t- id: a\n", `FILE:2: found character that cannot start any token`},
+		{"empty file", "", `FILE:1: the inventory is empty (write "machines: []" for an inventory without machines)`},
+		{"only comments", "# nothing yet\n", `FILE:1: the inventory is empty (write "machines: []" for an inventory without machines)`},
+		{"two documents", "machines: []\n---\nmachines: []\n", `FILE:2: a second YAML document: the inventory is a single document`},
+		{"not a mapping", "- id: a\n", `FILE:1: the inventory must be a mapping with a "machines" list, not a list`},
+		{"no machines", "defaults:\n  port: 22\n", `FILE:1: "machines" is required (write "machines: []" for an inventory without machines)`},
+		{"machines not a list", "machines:\n  id: a\n", `FILE:2: "machines" must be a list, not a mapping`},
+		{"machine not a mapping", "machines:\n  - a\n", `FILE:2: machine #1: must be a mapping, not a single value`},
+		{"unknown top-level field", "machines: []\nmachine: []\n", `FILE:2: unknown field "machine"`},
+		{"duplicate ids", `machines:
+  - id: a
+    address: 10.0.0.1
+  - id: a
+    address: 10.0.0.2
+`, `FILE:4: duplicate machine id "a" (first at line 2)`},
+		{"duplicate field", `machines:
+  - id: a
+    address: 10.0.0.1
+    address: 10.0.0.2
+`, `FILE:4: machine "a": field "address" given twice (first at line 3)`},
+		{"missing address", `machines:
+  - id: a
+    port: 22
+`, `FILE:2: machine "a": address is required`},
+		{"bad IP", `machines:
+  - id: a
+    address: 10.0.0.300
+`, `FILE:3: machine "a": address "10.0.0.300" is not an IPv4 or IPv6 address`},
+		{"host name", `machines:
+  - id: a
+    address: node7.example.com
+`, `FILE:3: machine "a": address "node7.example.com" is not an IPv4 or IPv6 address`},
+		{"port 0", `machines:
+  - id: a
+    address: 10.0.0.1
+    port: 0
+`, `FILE:4: machine "a": port must be a number from 1 to 65535, got "0"`},
+		{"port 70000", `machines:
+  - id: a
+    address: 10.0.0.1
+    port: 70000
+`, `FILE:4: machine "a": port must be a number from 1 to 65535, got "70000"`},
+		{"port not a number", `machines:
+  - id: a
+    address: 10.0.0.1
+    port: ssh
+`, `FILE:4: machine "a": port must be a number from 1 to 65535, got "ssh"`},
+		{"bad default port", `defaults:
+  port: -1
+machines: []
+`, `FILE:2: defaults: port must be a number from 1 to 65535, got "-1"`},
+		{"unknown field", `machines:
+  - id: a
+    adress: 10.0.0.1
+`, `FILE:3: machine "a": unknown field "adress"
+FILE:2: machine "a": address is required`},
+		{"unknown default", "defaults:\n  user: root\nmachines: []\n", `FILE:2: defaults: unknown field "user"`},
+		{"a list for a value", `machines:
+  - id: a
+    address: [10.0.0.1]
+`, `FILE:3: machine "a": address must be a single value, not a list
+FILE:2: machine "a": address is required`},
+		{"inline password", `machines:
+  - id: a
+    address: 10.0.0.1
+    password: hunter2
+`, `FILE:4: machine "a": field "password" is not allowed: secrets must come from a file (ssh_password_file) or an environment variable (ssh_password_env), not inline`},
+		{"inline ssh_password", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password: hunter2
+`, `FILE:4: machine "a": field "ssh_password" is not allowed: secrets must come from a file (ssh_password_file) or an environment variable (ssh_password_env), not inline`},
+		{"inline password in defaults", `defaults:
+  ssh_password: hunter2
+machines: []
+`, `FILE:2: defaults: field "ssh_password" is not allowed: secrets must come from a file (ssh_password_file) or an environment variable (ssh_password_env), not inline`},
+		{"inline key", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key: "-----BEGIN OPENSSH PRIVATE KEY-----"
+`, `FILE:4: machine "a": field "ssh_key" is not allowed: secrets must come from a file (ssh_key_file) or an environment variable (ssh_key_env), not inline`},
+		{"inline private_key", `machines:
+  - id: a
+    address: 10.0.0.1
+    private_key: x
+    key: y
+`, `FILE:4: machine "a": field "private_key" is not allowed: secrets must come from a file (ssh_key_file) or an environment variable (ssh_key_env), not inline
+FILE:5: machine "a": field "key" is not allowed: secrets must come from a file (ssh_key_file) or an environment variable (ssh_key_env), not inline`},
+		{"password file and env", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_file: DIR/pw
+    ssh_password_env: PW
+`, `FILE:5: machine "a": give ssh_password_file or ssh_password_env, not both`},
+		{"key file and env", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key_env: KEY
+    ssh_key_file: DIR/key
+`, `FILE:5: machine "a": give ssh_key_file or ssh_key_env, not both`},
+		{"missing password file", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_file: DIR/nope
+`, `FILE:4: machine "a": ssh_password_file: open DIR/nope: no such file or directory`},
+		{"empty password file", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_file: DIR/empty
+`, `FILE:4: machine "a": the password from ssh_password_file DIR/empty is empty`},
+		{"unset env var", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_env: NODE7_PASSWORD
+`, `FILE:4: machine "a": ssh_password_env: environment variable NODE7_PASSWORD is not set`},
+		{"empty env var", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_env: EMPTY
+`, `FILE:4: machine "a": the password from ssh_password_env EMPTY is empty`},
+		{"missing key file", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key_file: DIR/nope
+`, `FILE:4: machine "a": ssh_key_file: open DIR/nope: no such file or directory`},
+		{"not a key", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key_env: NOT_A_KEY
+`, `FILE:4: machine "a": the key from ssh_key_env NOT_A_KEY is not a usable private key: ssh: no key found`},
+		{"key with passphrase", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key_env: LOCKED_KEY
+`, `FILE:4: machine "a": the key from ssh_key_env LOCKED_KEY is protected by a passphrase, which is not supported`},
+		{"id longer than 128 bytes", fmt.Sprintf(`machines:
+  - id: %s
+    address: 10.0.0.1
+`, strings.Repeat("x", 129)), `FILE:2: machine #1: id must be 1 to 128 bytes long, got 129 bytes`},
+		{"empty id", `machines:
+  - id: ""
+    address: 10.0.0.1
+`, `FILE:2: machine #1: id must be 1 to 128 bytes long, got 0 bytes`},
+		{"missing id", `machines:
+  - id: a
+    address: 10.0.0.1
+  - address: 10.0.0.2
+`, `FILE:4: machine #2: id is required`},
+		{"bad host_key", `machines:
+  - id: a
+    address: 10.0.0.1
+    host_key: "ssh-ed25519 AAAAnotakey"
+`, `FILE:4: machine "a": host_key is not a public key in authorized_keys format: ssh: no key found; last parsing error for ignored line: illegal base64 data at input byte 8`},
+		{"empty reboot_command", `machines:
+  - id: a
+    address: 10.0.0.1
+    reboot_command: ""
+`, `FILE:4: machine "a": reboot_command is empty (leave it out for the default)`},
+		{"problems everywhere", `machines:
+  - id: a
+  - id: b
+    address: x
+  - id: a
+    address: 10.0.0.1
+`, `FILE:2: machine "a": address is required
+FILE:4: machine "b": address "x" is not an IPv4 or IPv6 address
+FILE:5: duplicate machine id "a" (first at line 2)`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			path := filepath.Join(dir, "inventory.yaml")
+			writeFile(t, filepath.Join(dir, "pw"), "pw\n")
+			writeFile(t, filepath.Join(dir, "key"), string(goodKey))
+			writeFile(t, filepath.Join(dir, "empty"), "\n")
+			writeFile(t, path, strings.ReplaceAll(tt.inventory, "DIR", dir))
+			var logs syncBuffer
+			_, err := newProvider(Config{Inventory: path, Env: provider.Env{Logger: bufferLogger(&logs)}}, env)
+			want := strings.NewReplacer("FILE", path, "DIR", dir).Replace(tt.want)
+			if err == nil || err.Error() != want {
+				t.Errorf("New() error =\n%v\nwant\n%s", err, want)
+			}
+			if strings.Contains(tt.inventory, "hunter2") && strings.Contains(fmt.Sprint(err)+logs.String(), "hunter2") {
+				t.Errorf("the inline password reached the error or the log: %v\n%s", err, logs.String())
+			}
+		})
+	}
+}
+
+// The last problems of a file with very many are summed up.
+func TestManyProblems(t *testing.T) {
+	t.Parallel()
+	var inv strings.Builder
+	inv.WriteString("machines:\n")
+	for i := range 30 {
+		fmt.Fprintf(&inv, "  - id: m%d\n", i)
+	}
+	_, err := parse("inv.yaml", []byte(inv.String()), noEnv)
+	if err == nil {
+		t.Fatal("no error")
+	}
+	lines := strings.Split(err.Error(), "\n")
+	if len(lines) != maxProblems+1 || lines[maxProblems] != "inv.yaml: 10 more problems" {
+		t.Errorf("error has %d lines, ending %q", len(lines), lines[len(lines)-1])
+	}
+}
+
+func TestMissingInventory(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "nope.yaml")
+	_, err := New(Config{Inventory: path})
+	if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), path) {
+		t.Errorf("New of a missing file: %v, want ErrNotExist naming the path", err)
+	}
+}
+
+func TestInventoryDetails(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	_, keyPEM := newKey(t)
+	writeFile(t, filepath.Join(dir, "pw"), "s3cret\r\n")
+	writeFile(t, filepath.Join(dir, "key"), string(keyPEM))
+	inv, err := parse("inv.yaml", []byte(fmt.Sprintf(`
+defaults:
+  port: 2222
+  ssh_user: ops
+  reboot_command: reboot now
+machines:
+  - id: 007              # a number in YAML, a string to us
+    address: fe80::1%%eth0
+  - id: b
+    address: 10.0.0.2
+    port: 22
+    ssh_user: admin
+    ssh_password_file: %s
+    ssh_key_file: %s
+    reboot_command: ipmitool power cycle
+    location:            # null: no location
+  - id: c
+    address: 10.0.0.3
+    ssh_password_env: PW
+`, filepath.Join(dir, "pw"), filepath.Join(dir, "key"))), envMap(map[string]string{"PW": "env pw\n"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := ids(inv.list), []string{"007", "b", "c"}; !slices.Equal(got, want) {
+		t.Errorf("ids = %v, want %v", got, want)
+	}
+	a, b, c := inv.byID["007"], inv.byID["b"], inv.byID["c"]
+	if a.m.addr.String() != "[fe80::1%eth0]:2222" || a.user != "ops" || a.rebootCommand != "reboot now" || !a.password.empty() || a.signer != nil {
+		t.Errorf("machine 007 = addr %s, user %q, reboot %q, password %v, key %v", a.m.addr, a.user, a.rebootCommand, !a.password.empty(), a.signer != nil)
+	}
+	if b.m.addr.String() != "10.0.0.2:22" || b.user != "admin" || b.rebootCommand != "ipmitool power cycle" || b.password.reveal() != "s3cret" || b.signer == nil {
+		t.Errorf("machine b = addr %s, user %q, reboot %q, key %v", b.m.addr, b.user, b.rebootCommand, b.signer != nil)
+	}
+	// A variable's value is taken as it is; only a file's line end is cut.
+	if c.password.reveal() != "env pw\n" {
+		t.Error("machine c's password from the environment was changed")
+	}
+}
+
+func TestSecretRedacted(t *testing.T) {
+	t.Parallel()
+	s := secret{"hunter2"}
+	var logs syncBuffer
+	bufferLogger(&logs).Info("x", slog.Any("pw", s), slog.String("s", s.String()))
+	out := fmt.Sprintf("%v %+v %#v %s %q %x", s, s, s, s, s, s) + logs.String()
+	if strings.Contains(out, "hunter2") || strings.Contains(out, fmt.Sprintf("%x", "hunter2")) {
+		t.Errorf("the secret leaked: %s", out)
+	}
+}

@@ -1,0 +1,264 @@
+package static
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/provider"
+)
+
+// fakeHostKeys is a provider.HostKeyChecker that records what it is asked
+// and answers err.
+type fakeHostKeys struct {
+	err error
+
+	mu    sync.Mutex
+	asked []string // provider id and key fingerprint
+}
+
+func (f *fakeHostKeys) CheckHostKey(_ context.Context, providerID string, key ssh.PublicKey) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.asked = append(f.asked, providerID+" "+ssh.FingerprintSHA256(key))
+	return f.err
+}
+
+func (f *fakeHostKeys) questions() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.asked)
+}
+
+// rebootFixture is a provider whose machines all point at one test SSH
+// server, which accepts the provider's key for user "shepherd".
+type rebootFixture struct {
+	p      *Provider
+	srv    *sshServer
+	client ssh.Signer
+}
+
+// newRebootFixture writes the machines (YAML list entries, with ADDR and
+// PORT standing for the server's, and HOSTKEY for its host key) and creates
+// the provider with env (whose SSHSigner and SSHUser it fills in if unset).
+func newRebootFixture(t *testing.T, machines string, env provider.Env) rebootFixture {
+	t.Helper()
+	client, _ := newKey(t)
+	if env.SSHSigner == nil {
+		env.SSHSigner = client
+	}
+	env.SSHUser = "shepherd"
+	srv := newSSHServer(t, serverAuth{keys: []ssh.PublicKey{env.SSHSigner.PublicKey()}})
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, "machines:\n"+strings.NewReplacer(
+		"ADDR", srv.addr.Addr().String(),
+		"PORT", fmt.Sprint(srv.addr.Port()),
+		"HOSTKEY", authorizedKey(srv.hostKey),
+	).Replace(machines))
+	p, err := New(Config{Inventory: path, SSHTimeout: 10 * time.Second, Env: env})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rebootFixture{p: p, srv: srv, client: client}
+}
+
+func TestReboot(t *testing.T) {
+	t.Parallel()
+	wrongHost, _ := newKey(t)
+	f := newRebootFixture(t, fmt.Sprintf(`
+  - {id: default, address: ADDR, port: PORT, host_key: HOSTKEY}
+  - {id: custom, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: "ipmitool power cycle", ssh_user: admin}
+  - {id: drop, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: %s}
+  - {id: fail, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: %s}
+  - {id: wrong-key, address: ADDR, port: PORT, host_key: %q}
+`, cmdDrop, cmdFail, authorizedKey(wrongHost.PublicKey())), provider.Env{})
+
+	if err := f.p.RebootMachine(t.Context(), "default"); err != nil {
+		t.Errorf("RebootMachine(default): %v", err)
+	}
+	if got, want := f.srv.received(), []run{{"shepherd", "systemctl reboot"}}; !slices.Equal(got, want) {
+		t.Errorf("the server ran %v, want %v", got, want)
+	}
+	// The server accepts the key for any user: ssh_user is what is sent.
+	if err := f.p.RebootMachine(t.Context(), "custom"); err != nil {
+		t.Errorf("RebootMachine(custom): %v", err)
+	}
+	if got, want := f.srv.received()[1:], []run{{"admin", "ipmitool power cycle"}}; !slices.Equal(got, want) {
+		t.Errorf("the server ran %v, want %v", got, want)
+	}
+
+	// A reboot cuts the connection before the command exits: success.
+	if err := f.p.RebootMachine(t.Context(), "drop"); err != nil {
+		t.Errorf("RebootMachine with the connection cut during the command: %v, want success", err)
+	}
+
+	err := f.p.RebootMachine(t.Context(), "fail")
+	if err == nil || !strings.Contains(err.Error(), "exit status 1") || !strings.Contains(err.Error(), "reboot: permission denied") {
+		t.Errorf("RebootMachine with a command exiting 1: %v, want an error with its status and stderr", err)
+	}
+
+	before := len(f.srv.received())
+	err = f.p.RebootMachine(t.Context(), "wrong-key")
+	if !errors.Is(err, sshx.ErrHostKeyMismatch) {
+		t.Errorf("RebootMachine with a wrong pinned host key: %v, want ErrHostKeyMismatch", err)
+	}
+	if got := f.srv.received(); len(got) != before {
+		t.Errorf("with a wrong host key the server still ran %v", got[before:])
+	}
+
+	if err := f.p.RebootMachine(t.Context(), "nope"); !errors.Is(err, provider.ErrNotFound) {
+		t.Errorf("RebootMachine(nope): %v, want ErrNotFound", err)
+	}
+	if err := f.p.ReinstallMachine(t.Context(), "default"); !errors.Is(err, provider.ErrUnsupported) {
+		t.Errorf("ReinstallMachine: %v, want ErrUnsupported", err)
+	}
+}
+
+func TestRebootAsksHostKeyChecker(t *testing.T) {
+	t.Parallel()
+	errUnknown := errors.New("host key differs from the one recorded")
+	for _, tt := range []struct {
+		name    string
+		answer  error
+		wantErr error
+	}{
+		{"known key", nil, nil},
+		{"rejected key", errUnknown, errUnknown},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			hk := &fakeHostKeys{err: tt.answer}
+			f := newRebootFixture(t, "  - {id: rack1/node 7, address: ADDR, port: PORT}\n", provider.Env{HostKeys: hk})
+			err := f.p.RebootMachine(t.Context(), "rack1/node 7")
+			if !errors.Is(err, tt.wantErr) || (err == nil) != (tt.wantErr == nil) {
+				t.Errorf("RebootMachine: %v, want %v", err, tt.wantErr)
+			}
+			if got, want := hk.questions(), []string{"rack1/node 7 " + ssh.FingerprintSHA256(f.srv.hostKey)}; !slices.Equal(got, want) {
+				t.Errorf("the host key checker was asked %v, want %v", got, want)
+			}
+			if ran := len(f.srv.received()) > 0; ran != (tt.wantErr == nil) {
+				t.Errorf("the server ran %v", f.srv.received())
+			}
+		})
+	}
+}
+
+func TestRebootRefusesUnverifiableHostKey(t *testing.T) {
+	t.Parallel()
+	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT}\n", provider.Env{})
+	err := f.p.RebootMachine(t.Context(), "a")
+	if err == nil || !strings.Contains(err.Error(), "the host key cannot be verified") {
+		t.Errorf("RebootMachine with no pin and no checker: %v, want a refusal", err)
+	}
+	if got := f.srv.received(); len(got) != 0 {
+		t.Errorf("the server ran %v", got)
+	}
+}
+
+func TestRebootTimeout(t *testing.T) {
+	t.Parallel()
+	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: "+cmdHang+"}\n", provider.Env{})
+	f.p.cfg.SSHTimeout = 100 * time.Millisecond
+	err := f.p.RebootMachine(t.Context(), "a")
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("RebootMachine with a command that hangs: %v, want DeadlineExceeded", err)
+	}
+}
+
+func TestRebootNeedsUserAndCredentials(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	host, _ := newKey(t)
+	writeFile(t, path, fmt.Sprintf("machines:\n  - {id: a, address: 127.0.0.1, host_key: %q}\n", authorizedKey(host.PublicKey())))
+	p, err := New(Config{Inventory: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.RebootMachine(t.Context(), "a"); err == nil || !strings.Contains(err.Error(), "no SSH user") {
+		t.Errorf("RebootMachine without a user: %v", err)
+	}
+	p.cfg.Env.SSHUser = "root"
+	if err := p.RebootMachine(t.Context(), "a"); err == nil || !strings.Contains(err.Error(), "no SSH credentials") {
+		t.Errorf("RebootMachine without credentials: %v", err)
+	}
+}
+
+// The machine's own password and key are used next to Shepherd's key.
+func TestRebootWithMachineCredentials(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	shepherdKey, _ := newKey(t)
+	machineKey, machineKeyPEM := newKey(t)
+	writeFile(t, filepath.Join(dir, "pw"), "open sesame\n")
+	writeFile(t, filepath.Join(dir, "key"), string(machineKeyPEM))
+
+	// This server knows the password only; Shepherd's key is rejected.
+	pwSrv := newSSHServer(t, serverAuth{user: "admin", password: "open sesame"})
+	// This one knows the machine's key only.
+	keySrv := newSSHServer(t, serverAuth{keys: []ssh.PublicKey{machineKey.PublicKey()}})
+	path := filepath.Join(dir, "inventory.yaml")
+	writeFile(t, path, fmt.Sprintf(`machines:
+  - {id: pw, address: %s, port: %d, host_key: %q, ssh_user: admin, ssh_password_file: %s}
+  - {id: key, address: %s, port: %d, host_key: %q, ssh_key_file: %s}
+`, pwSrv.addr.Addr(), pwSrv.addr.Port(), authorizedKey(pwSrv.hostKey), filepath.Join(dir, "pw"),
+		keySrv.addr.Addr(), keySrv.addr.Port(), authorizedKey(keySrv.hostKey), filepath.Join(dir, "key")))
+	p, err := New(Config{Inventory: path, Env: provider.Env{SSHSigner: shepherdKey, SSHUser: "root"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		id  string
+		srv *sshServer
+	}{{"pw", pwSrv}, {"key", keySrv}} {
+		if err := p.RebootMachine(t.Context(), tc.id); err != nil {
+			t.Errorf("RebootMachine(%s): %v", tc.id, err)
+		}
+		if got := tc.srv.received(); len(got) != 1 || got[0].cmd != "systemctl reboot" {
+			t.Errorf("server of %s ran %v", tc.id, got)
+		}
+	}
+
+	// What SSHAccess hands the initializer works on its own.
+	acc, err := p.SSHAccess(t.Context(), "pw")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := sshx.Dial(t.Context(), sshx.Target{Addr: pwSrv.addr.String(), User: acc.User, Auth: acc.Auth, HostKey: sshx.CheckKey(acc.HostKey)})
+	if err != nil {
+		t.Fatalf("dialing with SSHAccess(pw): %v", err)
+	}
+	if _, err := sshx.Run(t.Context(), c, "true", nil, 1024); err != nil {
+		t.Errorf("running a command with SSHAccess(pw): %v", err)
+	}
+	c.Close()
+}
+
+func TestConnectionCut(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		err  error
+		want bool
+	}{
+		{fmt.Errorf("running: %w", &ssh.ExitMissingError{}), true},
+		{fmt.Errorf("running: %w", errors.New("wait: remote command exited without exit status or exit signal")), false},
+		{fmt.Errorf("running: %w", net.ErrClosed), true},
+		{fmt.Errorf("x: %w", errors.Join(errors.New("y"), io.EOF)), true},
+		{errors.New(`running "x": exit status 1: nope`), false},
+		{context.DeadlineExceeded, false},
+	} {
+		if got := connectionCut(tt.err); got != tt.want {
+			t.Errorf("connectionCut(%v) = %v, want %v", tt.err, got, tt.want)
+		}
+	}
+}

@@ -1,0 +1,302 @@
+// Package static is the static inventory provider (SPEC §5.2): machines
+// listed in a YAML file and reached over SSH. It is stateless: every
+// machine of the file is PossiblyUsed, "creating" one only records it in
+// the BMDB, and a reboot runs a command on the machine over SSH.
+//
+// # Inventory format
+//
+//	defaults:                      # optional; each machine may override
+//	  port: 22
+//	  ssh_user: root
+//	  reboot_command: systemctl reboot
+//	machines:
+//	  - id: rack1-node7            # required; 1-128 bytes; unique; any string (not a UUID)
+//	    address: 10.0.0.7          # required; an IP address (v4 or v6), no host names
+//	    port: 2222                 # optional; default defaults.port, else 22
+//	    location: fra1/rack1       # optional; free text shown to operators
+//	    ssh_user: admin            # optional; default defaults.ssh_user, else Shepherd's SSH user
+//	    ssh_password_file: /etc/shepherd/node7.pw   # optional password, read from a file...
+//	    ssh_password_env: NODE7_PASSWORD            # ...or an environment variable (never both)
+//	    ssh_key_file: /etc/shepherd/node7.key       # optional extra private key (file or env,
+//	    ssh_key_env: NODE7_KEY                      # never both; no passphrase)
+//	    host_key: "ssh-ed25519 AAAAC3Nz..."         # optional pinned host key, authorized_keys format
+//	    reboot_command: "ipmitool power cycle"      # optional; default defaults.reboot_command,
+//	                                                # else "systemctl reboot"
+//	  - id: n2
+//	    address: "2001:db8::2"
+//
+// Secrets are never written in the inventory: fields such as password,
+// ssh_password, key, ssh_key or private_key are rejected, as is any field
+// the format does not know. A password file's single trailing newline is
+// not part of the password. Secret files and variables are read whenever
+// the inventory is (re)loaded, so after rotating a secret touch the
+// inventory or call Reload. Do not put secrets in reboot_command either: it
+// appears in error messages.
+//
+// An empty file is an error rather than an empty fleet, because a
+// half-written file must not make every machine disappear; write
+// "machines: []" for an inventory without machines. Replace the file
+// atomically (write a new file, then rename it over the old one) so that
+// Run never sees it half-written.
+//
+// # Reloading
+//
+// Run checks the file every ReloadInterval. A changed file is parsed; if it
+// is good it replaces the inventory in force at once, otherwise the error
+// (which names FILE:LINE) is logged and counted and the last good inventory
+// stays in force. A machine that leaves the file disappears from
+// ListMachines; the provisioner then marks it Missing.
+//
+// # Metrics
+//
+//	shepherd_static_inventory_machines              machines in force
+//	shepherd_static_inventory_valid                 1 if the last read of the file was good, else 0
+//	shepherd_static_inventory_reload_errors_total   failed reads or parses of the file
+//
+// Each carries the label provider, the provider's Name.
+package static
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/shepherd/shepherd/provider"
+)
+
+// Defaults of Config and of the inventory.
+const (
+	defaultName           = "static"
+	defaultReloadInterval = 5 * time.Second
+	defaultSSHTimeout     = 30 * time.Second
+	defaultPort           = 22
+	defaultRebootCommand  = "systemctl reboot"
+)
+
+// Config configures the provider. Zero values mean defaults.
+type Config struct {
+	Inventory      string        // path of the YAML inventory; required
+	Name           string        // provider name recorded in the BMDB; default "static"
+	ReloadInterval time.Duration // how often the file is checked for changes; default 5s
+	SSHTimeout     time.Duration // bounds a reboot's SSH connection and command; default 30s
+	Env            provider.Env  // logger, registerer, host key checker, SSH signer and default user
+}
+
+// Validate names the field and the bad value. It changes nothing.
+func (c Config) Validate() error {
+	if c.Inventory == "" {
+		return errors.New("static: Inventory is required")
+	}
+	if c.ReloadInterval < 0 {
+		return fmt.Errorf("static: ReloadInterval must be >= 0 (0 = default), got %s", c.ReloadInterval)
+	}
+	if c.SSHTimeout < 0 {
+		return fmt.Errorf("static: SSHTimeout must be >= 0 (0 = default), got %s", c.SSHTimeout)
+	}
+	return nil
+}
+
+// Provider is the static inventory provider. It implements
+// provider.Provider, provider.Recoverer, provider.SSHAccessor and
+// provider.Runner; all methods are safe for concurrent use.
+type Provider struct {
+	cfg       Config
+	log       *slog.Logger
+	metrics   *metrics
+	lookupEnv func(string) (string, bool) // os.LookupEnv; replaced in tests
+
+	// inv is the inventory in force. It is replaced whole, never changed,
+	// so readers need no lock.
+	inv atomic.Pointer[inventory]
+
+	reloadMu sync.Mutex // serializes loads of the file; guards seen
+	seen     fileState  // the file as last read, good or not
+}
+
+var (
+	_ provider.Provider    = (*Provider)(nil)
+	_ provider.Recoverer   = (*Provider)(nil)
+	_ provider.SSHAccessor = (*Provider)(nil)
+	_ provider.Runner      = (*Provider)(nil)
+)
+
+// New loads the inventory; a broken file is an error that names file:line.
+// The provider serves that inventory until Run sees the file change.
+func New(cfg Config) (*Provider, error) {
+	return newProvider(cfg, os.LookupEnv)
+}
+
+func newProvider(cfg Config, lookupEnv func(string) (string, bool)) (*Provider, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Name = cmp.Or(cfg.Name, defaultName) // cfg is a copy; the caller's value is untouched
+	cfg.ReloadInterval = cmp.Or(cfg.ReloadInterval, defaultReloadInterval)
+	cfg.SSHTimeout = cmp.Or(cfg.SSHTimeout, defaultSSHTimeout)
+	log := cfg.Env.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	p := &Provider{
+		cfg:       cfg,
+		log:       log.With(slog.String("component", "provider"), slog.String("provider", cfg.Name)),
+		lookupEnv: lookupEnv,
+	}
+	// Load before registering metrics, so a broken file leaves the
+	// registerer untouched and New can simply be called again.
+	p.reloadMu.Lock()
+	inv, err := p.load()
+	p.reloadMu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	m, err := newMetrics(cfg.Env.Registerer, cfg.Name)
+	if err != nil {
+		return nil, err
+	}
+	p.metrics = m
+	p.use(inv)
+	p.log.Info("inventory loaded", slog.String("file", cfg.Inventory), slog.Int("machines", len(inv.list)))
+	return p, nil
+}
+
+// factoryKeys are the keys of the Factory's configuration, for messages.
+const factoryKeys = "inventory, name, reload_interval, ssh_timeout"
+
+// Factory is the provider.Factory for the registry: config is YAML
+// {inventory: PATH, name: NAME, reload_interval: 5s, ssh_timeout: 30s}
+// (unknown keys rejected). Only inventory is required.
+func Factory(_ context.Context, env provider.Env, config []byte) (provider.Provider, error) {
+	cfg, err := parseFactoryConfig(config)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Env = env
+	p, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func parseFactoryConfig(config []byte) (Config, error) {
+	var cfg Config
+	var doc yaml.Node
+	if err := yaml.NewDecoder(bytes.NewReader(config)).Decode(&doc); errors.Is(err, io.EOF) || err == nil && len(doc.Content) == 0 {
+		return cfg, nil // empty: Validate will ask for the inventory
+	} else if err != nil {
+		return cfg, fmt.Errorf("static: config: %s", yamlErrorText(err))
+	}
+	root := doc.Content[0]
+	if root.Kind != yaml.MappingNode {
+		return cfg, fmt.Errorf("static: config line %d: want a mapping with keys %s", root.Line, factoryKeys)
+	}
+	seen := map[string]int{}
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		k, v := root.Content[i], resolve(root.Content[i+1])
+		if first, dup := seen[k.Value]; dup {
+			return cfg, fmt.Errorf("static: config line %d: %s given twice (first at line %d)", k.Line, k.Value, first)
+		}
+		seen[k.Value] = k.Line
+		if v.Kind != yaml.ScalarNode {
+			return cfg, fmt.Errorf("static: config line %d: %s must be a single value", v.Line, k.Value)
+		}
+		var err error
+		switch k.Value {
+		case "inventory":
+			cfg.Inventory = v.Value
+		case "name":
+			cfg.Name = v.Value
+		case "reload_interval":
+			cfg.ReloadInterval, err = time.ParseDuration(v.Value)
+		case "ssh_timeout":
+			cfg.SSHTimeout, err = time.ParseDuration(v.Value)
+		default:
+			return cfg, fmt.Errorf("static: config line %d: unknown key %q (known: %s)", k.Line, k.Value, factoryKeys)
+		}
+		if err != nil {
+			return cfg, fmt.Errorf("static: config line %d: %s: %w", v.Line, k.Value, err)
+		}
+	}
+	return cfg, nil
+}
+
+// Name is the provider's name as recorded in the BMDB.
+func (p *Provider) Name() string { return p.cfg.Name }
+
+// ListMachines returns every machine of the inventory in force, sorted by
+// id. It never fails: the inventory is in memory.
+func (p *Provider) ListMachines(context.Context) ([]provider.Machine, error) {
+	inv := p.inv.Load()
+	out := make([]provider.Machine, len(inv.list))
+	for i, m := range inv.list {
+		out[i] = m
+	}
+	return out, nil
+}
+
+// GetMachine returns the machine with provider id id, or an error wrapping
+// provider.ErrNotFound if the inventory in force does not list it.
+func (p *Provider) GetMachine(_ context.Context, id string) (provider.Machine, error) {
+	e, err := p.entry(id)
+	if err != nil {
+		return nil, err
+	}
+	return e.m, nil
+}
+
+// CreateMachine returns req.From as it stands in the inventory. The
+// provider is stateless: "creating" a machine only records it in the BMDB,
+// nothing happens at the machine, so a retried request is harmless.
+func (p *Provider) CreateMachine(_ context.Context, req provider.CreateRequest) (provider.Machine, error) {
+	if req.From == nil {
+		return nil, fmt.Errorf("%s: creating a machine: the request names no machine of the inventory", p.cfg.Name)
+	}
+	e, err := p.entry(req.From.ID())
+	if err != nil {
+		return nil, err
+	}
+	return e.m, nil
+}
+
+// entry returns the inventory's entry for id, or an error wrapping
+// provider.ErrNotFound.
+func (p *Provider) entry(id string) (*entry, error) {
+	e, ok := p.inv.Load().byID[id]
+	if !ok {
+		return nil, fmt.Errorf("%s: machine %q is not in the inventory: %w", p.cfg.Name, id, provider.ErrNotFound)
+	}
+	return e, nil
+}
+
+// machine is a machine of the inventory as the rest of Shepherd sees it. It
+// holds no secret, so printing it with %v cannot leak one.
+type machine struct {
+	id       string
+	location string
+	addr     netip.AddrPort
+}
+
+var _ provider.Described = (*machine)(nil)
+
+func (m *machine) ID() string                          { return m.id }
+func (m *machine) Addr() netip.AddrPort                { return m.addr }
+func (m *machine) Availability() provider.Availability { return provider.PossiblyUsed }
+func (m *machine) Failed() bool                        { return false }
+func (m *machine) Location() string                    { return m.location }
+func (m *machine) ReservationID() string               { return "" }
+
+// Status is always Running: the file cannot tell otherwise, and whether the
+// machine answers is the agent's heartbeat's business.
+func (m *machine) Status() provider.Status { return provider.StatusRunning }
