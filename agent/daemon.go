@@ -197,7 +197,10 @@ func (d *daemon) run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				continue
 			}
-			backoff = min(max(2*backoff, time.Second), d.cfg.MaxBackoff)
+			// The first retry comes soon: a new agent's first heartbeats race
+			// the initializer recording its key, and are refused until it
+			// has. Doubling still backs off fast when the server is down.
+			backoff = min(max(2*backoff, 250*time.Millisecond), d.cfg.MaxBackoff)
 			wait := jitter(backoff)
 			d.log.WarnContext(ctx, "heartbeat failed, retrying", "err", err, "retry_in", wait.Round(time.Millisecond))
 			timer.Reset(wait)

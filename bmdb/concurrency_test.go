@@ -17,50 +17,6 @@ import (
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 )
 
-// historyViolations checks, in the database, that the history of every
-// machine is a sequence of claims that never overlap: each Started follows
-// the end of the previous claim, and each end (Finished, Failed, Canceled,
-// Expired) ends the claim the last Started made, under the same session. The
-// history is written in the same transaction as every transition and a claim
-// can only see a machine free after the previous end committed, so history
-// order is claim order. It returns a description of each violation.
-func historyViolations(t *testing.T, db *bmdbtest.DB) []string {
-	t.Helper()
-	rows, err := db.Pool.Query(t.Context(), `
-		WITH claims AS (
-			SELECT machine_id, history_id, event, session_id,
-			       lag(event) OVER w AS prev_event,
-			       lag(session_id) OVER w AS prev_session
-			FROM work_history
-			WHERE event IN ('Started', 'Finished', 'Failed', 'Canceled', 'Expired')
-			  AND process IN (SELECT process FROM processes WHERE machine_exclusive)
-			WINDOW w AS (PARTITION BY machine_id ORDER BY history_id)
-		)
-		SELECT machine_id, history_id, event, coalesce(prev_event, '')
-		FROM claims
-		WHERE (event = 'Started' AND prev_event = 'Started')
-		   OR (event <> 'Started' AND (prev_event IS DISTINCT FROM 'Started' OR prev_session IS DISTINCT FROM session_id))
-		LIMIT 20`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var m uuid.UUID
-		var id int64
-		var ev, prev string
-		if err := rows.Scan(&m, &id, &ev, &prev); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, fmt.Sprintf("machine %s: history %d %s after %q", m, id, ev, prev))
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 // TestConcurrentWorkers runs 16 workers in 4 sessions over 500 machines for
 // a while. Half the workers start agents (Finish sets AgentStarted), half
 // recover machines whose first heartbeat never came (Finish clears the agent
@@ -206,7 +162,7 @@ func runConcurrentWorkers(t *testing.T, strategy bmdb.ClaimStrategy, run time.Du
 			t.Errorf("machine %s was never processed", id)
 		}
 	}
-	if v := historyViolations(t, db); len(v) > 0 {
+	if v := bmdbtest.OverlappingClaims(t, db); len(v) > 0 {
 		t.Errorf("history shows overlapping claims:\n%v", v)
 	}
 	// A claim cut off by the end of the run may still commit after its

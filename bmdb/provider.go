@@ -157,19 +157,33 @@ func (db *DB) HostKey(ctx context.Context, machine uuid.UUID) (key []byte, pinne
 // replaces one recorded on first use.
 func (db *DB) RecordHostKey(ctx context.Context, machine uuid.UUID, key []byte, pinned bool) (recorded []byte, recordedPinned bool, err error) {
 	err = db.retry(ctx, func(ctx context.Context) error {
-		r, err := db.q.HostKeyRecord(ctx, model.HostKeyRecordParams{MachineID: machine, HostKey: key, Pinned: pinned})
-		if errors.Is(err, pgx.ErrNoRows) {
-			g, err := db.q.HostKeyGet(ctx, machine)
-			recorded, recordedPinned = g.HostKey, g.Pinned
-			return err
-		}
-		recorded, recordedPinned = r.HostKey, r.Pinned
+		recorded, recordedPinned, err = recordHostKey(ctx, db.q, machine, key, pinned)
 		return err
 	})
 	if err != nil {
 		return nil, false, fmt.Errorf("bmdb: recording host key of machine %s: %w", machine, err)
 	}
 	return recorded, recordedPinned, nil
+}
+
+// RecordHostKey is DB.RecordHostKey inside a transaction, so that a worker
+// can record the key it trusted together with the result of its work.
+func (tx *Tx) RecordHostKey(ctx context.Context, machine uuid.UUID, key []byte, pinned bool) (recorded []byte, recordedPinned bool, err error) {
+	recorded, recordedPinned, err = recordHostKey(ctx, tx.q, machine, key, pinned)
+	if err != nil {
+		return nil, false, fmt.Errorf("bmdb: recording host key of machine %s: %w", machine, err)
+	}
+	return recorded, recordedPinned, nil
+}
+
+func recordHostKey(ctx context.Context, q *model.Queries, machine uuid.UUID, key []byte, pinned bool) ([]byte, bool, error) {
+	r, err := q.HostKeyRecord(ctx, model.HostKeyRecordParams{MachineID: machine, HostKey: key, Pinned: pinned})
+	if errors.Is(err, pgx.ErrNoRows) {
+		// A key is recorded already and this one does not replace it.
+		g, err := q.HostKeyGet(ctx, machine)
+		return g.HostKey, g.Pinned, err
+	}
+	return r.HostKey, r.Pinned, err
 }
 
 // ClearHostKey forgets the machine's recorded SSH host key, for a recovery

@@ -159,7 +159,7 @@ func runRestart(t *testing.T, lease, outage time.Duration, sameSession bool) {
 		}
 		rows.Close()
 	}
-	if v := historyViolations(t, raw); len(v) > 0 {
+	if v := bmdbtest.OverlappingClaims(t, raw); len(v) > 0 {
 		t.Errorf("history shows overlapping claims:\n%v", v)
 	}
 	mu.Lock()

@@ -200,6 +200,18 @@ func TestWorkEnds(t *testing.T) {
 		return err != nil
 	}
 
+	t.Run("the claim carries the Provided tag", func(t *testing.T) {
+		w := claim()
+		defer w.Cancel(t.Context())
+		want, err := db.GetProvided(t.Context(), w.MachineID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if w.Provided != want || w.Provided.Provider != "p" || w.Provided.AgentPhase != bmdb.AgentPhaseAwaitingAgent {
+			t.Fatalf("claimed work's Provided = %+v, want %+v", w.Provided, want)
+		}
+	})
+
 	t.Run("cancel with a cancelled context releases the lock", func(t *testing.T) {
 		w := claim()
 		ctx, cancel := context.WithCancel(t.Context())

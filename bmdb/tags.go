@@ -179,8 +179,23 @@ func (db *DB) GetProvided(ctx context.Context, machine uuid.UUID) (ProvidedMachi
 	} else if err != nil {
 		return ProvidedMachine{}, fmt.Errorf("bmdb: reading machine %s: %w", machine, err)
 	}
+	return providedMachine(r.MachineID, model.ClaimAgentStartCandidateRow{
+		Provider:              r.Provider,
+		ProviderID:            r.ProviderID,
+		ProviderReservationID: r.ProviderReservationID,
+		ProviderIPAddress:     r.ProviderIPAddress,
+		ProviderLocation:      r.ProviderLocation,
+		ProviderStatus:        r.ProviderStatus,
+		ProviderStatusAt:      r.ProviderStatusAt,
+		AgentPhase:            r.AgentPhase,
+	}), nil
+}
+
+// providedMachine converts the Provided columns a query returned; claims
+// return the same columns, so that a worker needs no second read.
+func providedMachine(id uuid.UUID, r model.ClaimAgentStartCandidateRow) ProvidedMachine {
 	pm := ProvidedMachine{
-		MachineID: r.MachineID,
+		MachineID: id,
 		Provided: Provided{
 			Provider:      r.Provider,
 			ProviderID:    r.ProviderID,
@@ -196,5 +211,5 @@ func (db *DB) GetProvided(ctx context.Context, machine uuid.UUID) (ProvidedMachi
 	if r.ProviderStatusAt != nil {
 		pm.StatusAt = *r.ProviderStatusAt
 	}
-	return pm, nil
+	return pm
 }

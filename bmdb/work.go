@@ -27,6 +27,8 @@ type Work struct {
 	MachineID uuid.UUID
 	// Process is what the machine was claimed for.
 	Process Process
+	// Provided is the machine's Provided tag as the claim saw it.
+	Provided ProvidedMachine
 
 	s     *Session
 	mu    sync.Mutex
@@ -79,7 +81,12 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 			continue
 		}
 		m.workStarted.WithLabelValues(string(process)).Inc()
-		return &Work{MachineID: res.ClaimedID.UUID, Process: process, s: s}, nil
+		return &Work{
+			MachineID: res.ClaimedID.UUID,
+			Process:   process,
+			Provided:  providedMachine(res.ClaimedID.UUID, model.ClaimAgentStartCandidateRow(res)),
+			s:         s,
+		}, nil
 	}
 	return nil, ErrWorkConflict
 }

@@ -157,7 +157,8 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	if target.Dial == nil && !m.Addr().IsValid() {
 		return nil, fmt.Errorf("%s has no address for machine %s yet", in.p.Name(), t.Machine.ProviderID)
 	}
-	target.HostKey = hostKeyCallback(ctx, in.db, t.Machine.MachineID, pinned)
+	trust := &hostKeyTrust{db: in.db, machine: t.Machine.MachineID, pinned: pinned}
+	target.HostKey = trust.callback(ctx)
 
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.ConnectTimeout)
 	client, err := sshx.Dial(dctx, target)
@@ -205,6 +206,9 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	}
 	t.Log.InfoContext(ctx, "agent started", "key", hex.EncodeToString(key[:8]))
 	return func(ctx context.Context, tx *bmdb.Tx) error {
+		if err := trust.save(ctx, tx); err != nil {
+			return err
+		}
 		return tx.SetAgentStarted(ctx, t.Machine.MachineID, key)
 	}, nil
 }
@@ -321,32 +325,94 @@ func truncate(s string, n int) string {
 	return s[:n] + "..."
 }
 
-// hostKeyCallback verifies a machine's SSH host key against the BMDB: a
-// pinned key from the provider must match (and is recorded as pinned);
-// otherwise the first key seen is recorded and every later one must equal
-// it (trust on first use). A mismatch is never accepted silently.
+// hostKeyCallback verifies a machine's SSH host key against the BMDB and
+// records it at once: a pinned key from the provider must match (and is
+// recorded as pinned); otherwise the first key seen is recorded and every
+// later one must equal it (trust on first use). A mismatch is never
+// accepted silently.
 func hostKeyCallback(ctx context.Context, db *bmdb.DB, machine uuid.UUID, pinned ssh.PublicKey) ssh.HostKeyCallback {
 	return func(_ string, _ net.Addr, got ssh.PublicKey) error {
+		key, pin := got, false
 		if pinned != nil {
 			if err := sshx.CheckKey(pinned)("", nil, got); err != nil {
 				return fmt.Errorf("%w (pinned by the provider)", err)
 			}
-			if _, _, err := db.RecordHostKey(ctx, machine, pinned.Marshal(), true); err != nil {
-				return err
-			}
-			return nil
+			key, pin = pinned, true
 		}
-		recorded, _, err := db.RecordHostKey(ctx, machine, got.Marshal(), false)
+		recorded, _, err := db.RecordHostKey(ctx, machine, key.Marshal(), pin)
 		if err != nil {
 			return err
 		}
-		if !bytes.Equal(recorded, got.Marshal()) {
-			want, perr := ssh.ParsePublicKey(recorded)
-			if perr != nil {
-				return fmt.Errorf("%w: the recorded key is unreadable: %v", sshx.ErrHostKeyMismatch, perr)
+		return sameHostKey(recorded, got)
+	}
+}
+
+// hostKeyTrust verifies a machine's SSH host key during a takeover like
+// hostKeyCallback, but records a newly trusted key only with the takeover's
+// result (in the Finish transaction): a takeover then commits once, and a
+// key is trusted on first use only once a takeover through it succeeded.
+type hostKeyTrust struct {
+	db      *bmdb.DB
+	machine uuid.UUID
+	pinned  ssh.PublicKey
+
+	// offered is the key the server presented; set by the callback.
+	offered ssh.PublicKey
+	// record says the key in force is not yet the one recorded.
+	record bool
+}
+
+// callback checks the offered key against the pinned or recorded one.
+func (h *hostKeyTrust) callback(ctx context.Context) ssh.HostKeyCallback {
+	return func(_ string, _ net.Addr, got ssh.PublicKey) error {
+		h.offered = got
+		if h.pinned != nil {
+			if err := sshx.CheckKey(h.pinned)("", nil, got); err != nil {
+				return fmt.Errorf("%w (pinned by the provider)", err)
 			}
-			return fmt.Errorf("%w: recorded %s, offered %s", sshx.ErrHostKeyMismatch, ssh.FingerprintSHA256(want), ssh.FingerprintSHA256(got))
 		}
+		recorded, pinned, err := h.db.HostKey(ctx, h.machine)
+		switch {
+		case errors.Is(err, bmdb.ErrNotFound):
+			h.record = true
+			return nil
+		case err != nil:
+			return err
+		case h.pinned != nil:
+			// The provider's pin wins over a key recorded on first use.
+			h.record = !pinned || !bytes.Equal(recorded, h.pinned.Marshal())
+			return nil
+		}
+		return sameHostKey(recorded, got)
+	}
+}
+
+// save records the trusted key in tx, failing if another key was recorded
+// since the callback read it.
+func (h *hostKeyTrust) save(ctx context.Context, tx *bmdb.Tx) error {
+	if !h.record {
 		return nil
 	}
+	key, pin := h.offered, false
+	if h.pinned != nil {
+		key, pin = h.pinned, true
+	}
+	recorded, _, err := tx.RecordHostKey(ctx, h.machine, key.Marshal(), pin)
+	if err != nil {
+		return err
+	}
+	return sameHostKey(recorded, h.offered)
+}
+
+// sameHostKey returns nil if the recorded key (SSH wire format) is got, and
+// an ErrHostKeyMismatch naming both fingerprints otherwise.
+func sameHostKey(recorded []byte, got ssh.PublicKey) error {
+	if bytes.Equal(recorded, got.Marshal()) {
+		return nil
+	}
+	want, err := ssh.ParsePublicKey(recorded)
+	if err != nil {
+		return fmt.Errorf("%w: the recorded key is unreadable: %v", sshx.ErrHostKeyMismatch, err)
+	}
+	return fmt.Errorf("%w: recorded %s, offered %s", sshx.ErrHostKeyMismatch, ssh.FingerprintSHA256(want), ssh.FingerprintSHA256(got))
 }

@@ -228,11 +228,7 @@ func (r *Runner) do(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slo
 			finish, err = nil, fmt.Errorf("internal error: %v", p)
 		}
 	}()
-	m, err := r.db.GetProvided(ctx, w.MachineID)
-	if err != nil {
-		return nil, fmt.Errorf("reading the machine: %w", err)
-	}
-	return r.loop.Do(ctx, &Task{Machine: m, Log: log, Session: s})
+	return r.loop.Do(ctx, &Task{Machine: w.Provided, Log: log, Session: s})
 }
 
 // jitter returns a duration in [d/2, 3d/2), so that idle workers of many

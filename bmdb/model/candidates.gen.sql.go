@@ -7,13 +7,16 @@ package model
 
 import (
 	"context"
+	"net/netip"
+	"time"
 
 	"github.com/google/uuid"
 )
 
 const claimAgentStartCandidate = `-- name: ClaimAgentStartCandidate :one
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -86,7 +89,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
@@ -101,9 +106,17 @@ type ClaimAgentStartCandidateParams struct {
 }
 
 type ClaimAgentStartCandidateRow struct {
-	CandidateID  uuid.UUID
-	ClaimedID    uuid.NullUUID
-	ExpiredCount int64
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
 }
 
 // ClaimAgentStartCandidate claims the oldest free candidate for the process
@@ -117,8 +130,9 @@ type ClaimAgentStartCandidateRow struct {
 // inserts the work row and writes history Started. The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
-// caller passes. No row means nothing to do or a dead session; a row
-// without claimed_id means the insert lost a race.
+// caller passes. It returns the machine's Provided tag as the claim saw
+// it, which saves the worker a round trip. No row means nothing to do or a
+// dead session; a row without claimed_id means the insert lost a race.
 func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentStartCandidateParams) (ClaimAgentStartCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimAgentStartCandidate,
 		arg.Provider,
@@ -128,13 +142,26 @@ func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentSt
 		arg.SessionID,
 	)
 	var i ClaimAgentStartCandidateRow
-	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
 	return i, err
 }
 
 const claimAgentStartCandidatePlain = `-- name: ClaimAgentStartCandidatePlain :one
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -205,7 +232,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
@@ -219,9 +248,17 @@ type ClaimAgentStartCandidatePlainParams struct {
 }
 
 type ClaimAgentStartCandidatePlainRow struct {
-	CandidateID  uuid.UUID
-	ClaimedID    uuid.NullUUID
-	ExpiredCount int64
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
 }
 
 // ClaimAgentStartCandidatePlain is the baseline the benchmark compares
@@ -235,13 +272,26 @@ func (q *Queries) ClaimAgentStartCandidatePlain(ctx context.Context, arg ClaimAg
 		arg.SessionID,
 	)
 	var i ClaimAgentStartCandidatePlainRow
-	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
 	return i, err
 }
 
 const claimRecoveryCandidate = `-- name: ClaimRecoveryCandidate :one
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -324,7 +374,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
@@ -341,9 +393,17 @@ type ClaimRecoveryCandidateParams struct {
 }
 
 type ClaimRecoveryCandidateRow struct {
-	CandidateID  uuid.UUID
-	ClaimedID    uuid.NullUUID
-	ExpiredCount int64
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
 }
 
 // ClaimRecoveryCandidate claims the oldest free candidate for the process
@@ -357,8 +417,9 @@ type ClaimRecoveryCandidateRow struct {
 // inserts the work row and writes history Started. The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
-// caller passes. No row means nothing to do or a dead session; a row
-// without claimed_id means the insert lost a race.
+// caller passes. It returns the machine's Provided tag as the claim saw
+// it, which saves the worker a round trip. No row means nothing to do or a
+// dead session; a row without claimed_id means the insert lost a race.
 func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryCandidateParams) (ClaimRecoveryCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimRecoveryCandidate,
 		arg.Provider,
@@ -370,13 +431,26 @@ func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryC
 		arg.SessionID,
 	)
 	var i ClaimRecoveryCandidateRow
-	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
 	return i, err
 }
 
 const claimRecoveryCandidatePlain = `-- name: ClaimRecoveryCandidatePlain :one
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -457,7 +531,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
@@ -473,9 +549,17 @@ type ClaimRecoveryCandidatePlainParams struct {
 }
 
 type ClaimRecoveryCandidatePlainRow struct {
-	CandidateID  uuid.UUID
-	ClaimedID    uuid.NullUUID
-	ExpiredCount int64
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
 }
 
 // ClaimRecoveryCandidatePlain is the baseline the benchmark compares
@@ -491,7 +575,19 @@ func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimReco
 		arg.SessionID,
 	)
 	var i ClaimRecoveryCandidatePlainRow
-	err := row.Scan(&i.CandidateID, &i.ClaimedID, &i.ExpiredCount)
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
 	return i, err
 }
 

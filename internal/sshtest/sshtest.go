@@ -15,6 +15,9 @@
 //     Use absolute paths.
 //   - OpenSSH gives commands a minimal environment (PATH, HOME, USER, SSH_*);
 //     Gliderlabs gives them the test process's environment.
+//   - OpenSSH runs commands with the user's login shell. Debian's bash then
+//     reads ~/.bashrc even though it is not interactive, so a slow .bashrc
+//     (pyenv init, say) slows every command; Gliderlabs uses /bin/sh.
 //   - An SFTP rename (SSH_FXP_RENAME) onto an existing file fails under
 //     OpenSSH (it links, then unlinks) but replaces the file under Gliderlabs
 //     (pkg/sftp calls rename(2)). Use the posix-rename@openssh.com extension
@@ -112,7 +115,7 @@ func (c Config) Validate() error {
 // Host is one running SSH server on 127.0.0.1.
 //
 // A Host's methods and fields must not be used concurrently with Restart or
-// ChangeHostKey on the same Host, which change Addr's server and HostKey.
+// ChangeHostKey on the same Host, which replace its server and HostKey.
 type Host struct {
 	Kind    Kind
 	Addr    netip.AddrPort // 127.0.0.1:port
@@ -139,7 +142,7 @@ func findSSHD(defaultPath string, lookPath func(string) (string, error)) (string
 	}
 	p, err := lookPath("sshd")
 	if err != nil {
-		return "", fmt.Errorf("no OpenSSH server: %s does not exist and sshd is not on PATH (install openssh-server)", defaultPath)
+		return "", fmt.Errorf("no OpenSSH server: %s is not an executable file and sshd is not on PATH (install openssh-server)", defaultPath)
 	}
 	abs, err := filepath.Abs(p)
 	if err != nil {

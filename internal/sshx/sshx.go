@@ -74,8 +74,18 @@ func Dial(ctx context.Context, t Target) (*ssh.Client, error) {
 	})
 	if !stop() || err != nil {
 		conn.Close()
-		if err == nil {
-			err = ctx.Err()
+		// When ctx ended (or its deadline, set on the connection, struck
+		// a read first) say so, so that callers can tell a timeout from a
+		// refusal with errors.Is.
+		cerr := ctx.Err()
+		if dl, ok := ctx.Deadline(); ok && cerr == nil && !time.Now().Before(dl) {
+			cerr = context.DeadlineExceeded
+		}
+		switch {
+		case err == nil:
+			err = cerr
+		case cerr != nil:
+			err = fmt.Errorf("%w: %w", cerr, err)
 		}
 		return nil, fmt.Errorf("ssh %s: handshake: %w", t.Addr, err)
 	}

@@ -30,7 +30,7 @@ const (
 	maxInterval = 24 * time.Hour
 	// minBackoff and maxBackoff bound the exponential backoff after
 	// failed heartbeats.
-	minBackoff = time.Second
+	minBackoff = 100 * time.Millisecond
 	maxBackoff = 30 * time.Second
 	// agentVersion is what simulated agents report as their version.
 	agentVersion = "shepherd-sim"

@@ -169,7 +169,7 @@ func TestRebootRefusesUnverifiableHostKey(t *testing.T) {
 func TestRebootTimeout(t *testing.T) {
 	t.Parallel()
 	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: "+cmdHang+"}\n", provider.Env{})
-	f.p.cfg.SSHTimeout = 100 * time.Millisecond
+	f.p.cfg.SSHTimeout = 500 * time.Millisecond
 	err := f.p.RebootMachine(t.Context(), "a")
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("RebootMachine with a command that hangs: %v, want DeadlineExceeded", err)

@@ -93,10 +93,12 @@ FROM (
 -- inserts the work row and writes history Started. The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
--- caller passes. No row means nothing to do or a dead session; a row
--- without claimed_id means the insert lost a race.
+-- caller passes. It returns the machine's Provided tag as the claim saw
+-- it, which saves the worker a round trip. No row means nothing to do or a
+-- dead session; a row without claimed_id means the insert lost a race.
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -121,7 +123,8 @@ WITH candidate AS (
 -- Claim{{.Name}}Candidate against: the oldest candidate, locked with a plain
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
-    SELECT p.machine_id
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -181,7 +184,9 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;

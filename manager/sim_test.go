@@ -1,0 +1,267 @@
+package manager_test
+
+import (
+	"context"
+	"crypto/ed25519"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/crypto/ssh"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/provider/sim"
+	"github.com/shepherd/shepherd/server"
+)
+
+// fleet is a simulated fleet managed end to end: a real callback server,
+// the simulator, and the provisioner, initializer and recoverer, all on one
+// test database.
+type fleet struct {
+	t   *testing.T
+	db  *bmdbtest.DB
+	sim *sim.Fleet
+	reg *prometheus.Registry
+
+	stopServer context.CancelFunc
+	serverDone chan error
+}
+
+type fleetConfig struct {
+	sim       sim.Config
+	recoverer manager.RecovererConfig
+	interval  time.Duration // heartbeat interval the server hands out
+}
+
+func startFleet(t *testing.T, cfg fleetConfig) *fleet {
+	t.Helper()
+	db := bmdbtest.New(t)
+	reg := prometheus.NewRegistry()
+	f := &fleet{t: t, db: db, reg: reg}
+
+	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), HeartbeatInterval: cfg.interval, Registerer: reg}, db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := srv.Listen()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, stop := context.WithCancel(context.Background())
+	f.stopServer, f.serverDone = stop, make(chan error, 1)
+	go func() { f.serverDone <- srv.Run(sctx) }()
+	t.Cleanup(func() { f.StopServer() })
+
+	cfg.sim.Registerer = reg
+	if f.sim, err = sim.New(cfg.sim); err != nil {
+		t.Fatal(err)
+	}
+	_, key, err := ed25519.GenerateKey(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer, err := ssh.NewSignerFromKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent := filepath.Join(t.TempDir(), "shepherd-agent")
+	if err := os.WriteFile(agent, []byte("stand-in: simulated machines do not run it"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fast := manager.LoopConfig{IdleSleep: 100 * time.Millisecond, Lease: 2 * time.Second}
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{Period: 200 * time.Millisecond, ChunkSize: 1000}, db.DB, f.sim, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	init := fast
+	init.Parallelism = 20
+	in, err := manager.NewInitializer(manager.InitializerConfig{
+		Loop: init, SSHKey: signer, AgentPath: agent, ServerEndpoint: addr.String(), ServerCA: srv.CA(),
+		Backoff: bmdb.BackoffPolicy{Initial: 500 * time.Millisecond},
+	}, db.DB, f.sim, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rcfg := cfg.recoverer
+	rcfg.Loop = fast
+	rcfg.Backoff = bmdb.BackoffPolicy{Initial: 500 * time.Millisecond}
+	rc, err := manager.NewRecoverer(rcfg, db.DB, f.sim, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var g errgroup.Group
+	g.Go(func() error { return f.sim.Run(ctx) })
+	g.Go(func() error { return pr.Run(ctx) })
+	g.Go(func() error { return in.Run(ctx) })
+	g.Go(func() error { return rc.Run(ctx) })
+	t.Cleanup(func() {
+		cancel()
+		if err := g.Wait(); err != nil {
+			t.Errorf("fleet: %v", err)
+		}
+	})
+	return f
+}
+
+// StopServer stops the callback server (idempotent).
+func (f *fleet) StopServer() {
+	if f.stopServer == nil {
+		return
+	}
+	f.stopServer()
+	if err := <-f.serverDone; err != nil {
+		f.t.Errorf("callback server: %v", err)
+	}
+	f.stopServer = nil
+}
+
+func (f *fleet) states() map[bmdb.MachineState]int64 {
+	f.t.Helper()
+	st, err := f.db.FleetStates(f.t.Context(), f.sim.Name(), 0, 0)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return st
+}
+
+func (f *fleet) waitHealthy(n int64, timeout time.Duration) {
+	f.t.Helper()
+	bmdbtest.WaitFor(f.t, timeout, "every machine Healthy", func(ctx context.Context) (bool, error) {
+		st, err := f.db.FleetStates(ctx, f.sim.Name(), 0, 0)
+		return err == nil && st[bmdb.StateHealthy] == n, err
+	})
+}
+
+func TestSimFleetRecovers(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim:       sim.Config{Machines: 20, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 200 * time.Millisecond},
+		recoverer: manager.RecovererConfig{HeartbeatTimeout: 2 * time.Second, FirstHeartbeatTimeout: 30 * time.Second, MaxRebootsPerWindow: 10},
+		interval:  200 * time.Millisecond,
+	})
+	f.waitHealthy(20, 60*time.Second)
+
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	victim := refs[3]
+	_, oldKey, err := f.db.GetAgentStarted(t.Context(), victim.MachineID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.sim.Silence(victim.ProviderID); err != nil {
+		t.Fatal(err)
+	}
+	// Silent, rebooted through the provider, taken over again: Healthy with
+	// a new key.
+	bmdbtest.WaitFor(t, 60*time.Second, "silenced machine rebooted and healthy again", func(ctx context.Context) (bool, error) {
+		if _, n := f.sim.Rebooted(victim.ProviderID); n == 0 {
+			return false, nil
+		}
+		_, key, err := f.db.GetAgentStarted(ctx, victim.MachineID)
+		if err != nil || key.Equal(oldKey) {
+			return false, nil
+		}
+		st, err := f.db.FleetStates(ctx, f.sim.Name(), 0, 2*time.Second)
+		return err == nil && st[bmdb.StateHealthy] == 20, err
+	})
+	h, err := f.db.History(t.Context(), bmdb.HistoryFilter{MachineID: victim.MachineID, Process: bmdb.ProcessRecovery})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h) < 2 || h[len(h)-1].Event != bmdb.EventFinished {
+		t.Errorf("recovery history of the victim: %+v", h)
+	}
+	for _, r := range refs {
+		if _, n := f.sim.Rebooted(r.ProviderID); n > 0 && r.ProviderID != victim.ProviderID {
+			h, _ := f.db.History(t.Context(), bmdb.HistoryFilter{MachineID: r.MachineID})
+			t.Errorf("machine %s was rebooted though it never went silent; its history:", r.ProviderID)
+			for _, e := range h {
+				t.Logf("  %s %s %s %s", e.At.Format("15:04:05.000"), e.Process, e.Event, e.Cause)
+			}
+		}
+	}
+}
+
+// TestCircuitBreaker stops the callback server for longer than the
+// heartbeat timeout: every agent looks silent at once, which means the
+// heartbeat path is broken, not the machines. The breaker must hold
+// reboots to its budget and say that it pauses.
+func TestCircuitBreaker(t *testing.T) {
+	t.Parallel()
+	const machines = 100
+	f := startFleet(t, fleetConfig{
+		sim:       sim.Config{Machines: machines, RebootLatency: 200 * time.Millisecond},
+		recoverer: manager.RecovererConfig{HeartbeatTimeout: 3 * time.Second, FirstHeartbeatTimeout: 10 * time.Second},
+		interval:  500 * time.Millisecond,
+	})
+	f.waitHealthy(machines, 90*time.Second)
+	f.StopServer()
+	paused := func() float64 {
+		return testutil.ToFloat64(mustCollector(t, f.reg, "shepherd_recovery_breaker_paused", "silent_fraction"))
+	}
+	bmdbtest.WaitFor(t, 60*time.Second, "breaker paused for the silent fraction", func(ctx context.Context) (bool, error) {
+		st, err := f.db.FleetStates(ctx, f.sim.Name(), 0, 3*time.Second)
+		return err == nil && st[bmdb.StateSilent]+st[bmdb.StateRecovering] >= machines*9/10 && paused() == 1, err
+	})
+	// Let the recoverer loop a while longer: still nothing more than the
+	// budget (5 % of 100 machines per window) may have been rebooted.
+	recheck := time.Now().Add(3 * time.Second)
+	bmdbtest.WaitFor(t, 10*time.Second, "three more seconds of recoverer activity", func(context.Context) (bool, error) {
+		return time.Now().After(recheck), nil
+	})
+	total := 0
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range refs {
+		_, n := f.sim.Rebooted(r.ProviderID)
+		total += n
+	}
+	if total > 5 {
+		t.Errorf("%d reboots with every agent silent, the breaker allows at most 5", total)
+	}
+	if paused() != 1 {
+		t.Error("breaker metric does not say it pauses")
+	}
+	t.Logf("%d reboots before the breaker paused", total)
+}
+
+// mustCollector returns the series of family name with label value v.
+func mustCollector(t *testing.T, reg *prometheus.Registry, name, v string) prometheus.Collector {
+	t.Helper()
+	return collectorFunc(func(ch chan<- prometheus.Metric) {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetValue() == v {
+						ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "x", nil, nil), prometheus.GaugeValue, m.GetGauge().GetValue())
+						return
+					}
+				}
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "x", nil, nil), prometheus.GaugeValue, -1)
+	})
+}
+
+type collectorFunc func(chan<- prometheus.Metric)
+
+func (collectorFunc) Describe(chan<- *prometheus.Desc)      {}
+func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
