@@ -18,7 +18,7 @@ PROTOC_GEN_CONNECT_GO := $(TOOLS)/protoc-gen-connect-go-$(PROTOC_GEN_CONNECT_GO_
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test fuzz generate generate-check lint bench tools require-postgres
+.PHONY: all build test fuzz generate generate-check lint bench dev tools require-postgres require-sshd
 
 all: build
 
@@ -31,6 +31,9 @@ build:
 require-postgres:
 	@scripts/require-postgres
 
+require-sshd:
+	@scripts/require-sshd
+
 # Fuzz targets of the parsers of external input (SPEC §8 R9), each run for
 # FUZZTIME by `make test`; run longer with e.g. `make fuzz FUZZTIME=10m`.
 FUZZTIME ?= 5s
@@ -42,8 +45,10 @@ FUZZ_TARGETS := \
 	./agent/hwreport:FuzzParseMemTotal \
 	./provider/static:FuzzParse
 
-test: require-postgres
-	$(GO) test -race -count=1 ./...
+# sshd is installed first, so the SSH end-to-end tests must use it: a
+# missing sshd fails them rather than falling back to the in-process server.
+test: require-postgres require-sshd
+	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 ./...
 	$(MAKE) --no-print-directory fuzz
 
 fuzz:
@@ -77,6 +82,11 @@ lint: $(STATICCHECK)
 
 bench: require-postgres
 	$(GO) run ./bench
+
+# The zero-setup development stack: a private PostgreSQL in a data
+# directory, the callback server, a simulated fleet and every loop.
+dev: require-postgres
+	$(GO) run ./cmd/shepherd dev
 
 tools: $(SQLC) $(STATICCHECK) $(BUF) $(PROTOC_GEN_GO) $(PROTOC_GEN_CONNECT_GO)
 

@@ -35,6 +35,9 @@ var figures = []figure{
 	{"P1", benchHeartbeats},
 	{"P2", benchClaimFinish},
 	{"P3", benchCandidateLatency},
+	{"P4", benchTakeover},
+	{"P5", benchMemory},
+	{"P6", benchSilenceToReboot},
 }
 
 // env is what every figure gets: the shared server and a way to get a fresh
@@ -57,6 +60,9 @@ func (e *env) database(ctx context.Context, name string) (string, error) {
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == loadgenMode {
 		os.Exit(loadgenMain(os.Args[2:]))
+	}
+	if len(os.Args) > 1 && os.Args[1] == p5Mode {
+		os.Exit(allInOneMain(os.Args[2:]))
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

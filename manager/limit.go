@@ -34,6 +34,11 @@ func ParseLimit(s string) (Limit, error) {
 	return Limit{Every: every, Burst: burst}, nil
 }
 
+// DefaultLimit is the rate a loop's candidate queries and the provisioner's
+// creations keep to when their config names none: 10 at once, then one
+// every 100 ms.
+func DefaultLimit() Limit { return Limit{Every: 100 * time.Millisecond, Burst: 10} }
+
 // String formats l as ParseLimit reads it.
 func (l Limit) String() string { return fmt.Sprintf("%s,%d", l.Every, l.Burst) }
 

@@ -126,7 +126,7 @@ func NewRunner(component string, cfg LoopConfig, loop Loop, db *bmdb.DB, reg pro
 // Run runs the workers until ctx ends, then cancels their work, closes the
 // session and returns nil.
 func (r *Runner) Run(ctx context.Context) error {
-	limiter := r.cfg.QueryLimit.limiter(Limit{Every: 100 * time.Millisecond, Burst: 10})
+	limiter := r.cfg.QueryLimit.limiter(DefaultLimit())
 	return r.db.KeepSession(ctx, bmdb.SessionConfig{Component: r.name, Lease: r.cfg.Lease}, func(ctx context.Context, s *bmdb.Session) error {
 		g, gctx := errgroup.WithContext(ctx)
 		for i := range r.cfg.Parallelism {

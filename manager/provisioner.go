@@ -112,7 +112,7 @@ func NewProvisioner(cfg ProvisionerConfig, db *bmdb.DB, p provider.Provider, reg
 	}
 	return &Provisioner{
 		cfg: cfg, db: db, p: p, log: log.With("component", "provisioner", "provider", p.Name()),
-		limiter: cfg.CreateLimit.limiter(Limit{Every: 100 * time.Millisecond, Burst: 10}), metrics: m,
+		limiter: cfg.CreateLimit.limiter(DefaultLimit()), metrics: m,
 	}, nil
 }
 

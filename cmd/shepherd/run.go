@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/manager"
 )
 
 // logFlags bind the logging flags.
@@ -59,14 +60,16 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 
 	in := &cfg.Initializer
 	fl.IntVar(&in.Loop.Parallelism, "initializer-parallelism", 10, "initializer: machines taken over at once")
-	fl.Var(&in.Loop.QueryLimit, "initializer-query-limit", "initializer: candidate query rate as duration,burst (default 100ms,10)")
+	in.Loop.QueryLimit = manager.DefaultLimit()
+	fl.Var(&in.Loop.QueryLimit, "initializer-query-limit", "initializer: candidate query rate as duration,burst")
 	fl.DurationVar(&in.ConnectTimeout, "ssh-connect-timeout", 30*time.Second, "initializer: bound on dialing and the SSH handshake")
 	fl.DurationVar(&in.ExecTimeout, "ssh-exec-timeout", 2*time.Minute, "initializer: bound on uploading and starting the agent")
 	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
 
 	rc := &cfg.Recoverer
 	fl.IntVar(&rc.Loop.Parallelism, "recoverer-parallelism", 4, "recoverer: machines rebooted at once")
-	fl.Var(&rc.Loop.QueryLimit, "recoverer-query-limit", "recoverer: candidate query rate as duration,burst (default 100ms,10)")
+	rc.Loop.QueryLimit = manager.DefaultLimit()
+	fl.Var(&rc.Loop.QueryLimit, "recoverer-query-limit", "recoverer: candidate query rate as duration,burst")
 	fl.DurationVar(&rc.HeartbeatTimeout, "heartbeat-timeout", bmdb.DefaultHeartbeatTimeout, "recoverer: a machine is silent when its last heartbeat is older than this")
 	fl.DurationVar(&rc.FirstHeartbeatTimeout, "first-heartbeat-timeout", bmdb.DefaultFirstHeartbeatTimeout, "recoverer: a machine is silent when no heartbeat came this long after its agent started")
 	fl.IntVar(&rc.MaxRebootsPerWindow, "max-reboots-per-window", 0, "recoverer: reboot budget per window (0: 5% of the fleet, at least 1)")
@@ -77,7 +80,8 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.DurationVar(&pr.Period, "provisioner-period", 30*time.Second, "provisioner: time between reconcile passes")
 	fl.IntVar(&pr.MaxMachines, "max-machines", 0, "provisioner: cap on the provider's machines (0: no limit)")
 	fl.IntVar(&pr.ChunkSize, "chunk-size", 50, "provisioner: machines created per pass")
-	fl.Var(&pr.CreateLimit, "create-limit", "provisioner: creation rate as duration,burst (default 100ms,10)")
+	pr.CreateLimit = manager.DefaultLimit()
+	fl.Var(&pr.CreateLimit, "create-limit", "provisioner: creation rate as duration,burst")
 	fl.Float64Var(&pr.SuspectFraction, "suspect-fraction", 0.2, "provisioner: ignore a listing that lacks more than this fraction of known machines")
 }
 

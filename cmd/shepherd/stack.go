@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/crypto/ssh"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/shepherd/shepherd/bmdb"
@@ -164,6 +165,9 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 	if err != nil {
 		return err
 	}
+	// Operators put this line into the machines' authorized_keys.
+	s.log.Info("SSH client key", "file", cfg.SSHKeyFile,
+		"authorized_key", strings.TrimSpace(string(ssh.MarshalAuthorizedKey(signer.PublicKey()))))
 	// The host key checker needs the provider's name, which is known only
 	// once the provider exists; it is not used before.
 	hostKeys := &manager.HostKeys{DB: s.db}
