@@ -122,15 +122,6 @@ func (f *fleet) StopServer() {
 	f.stopServer = nil
 }
 
-func (f *fleet) states() map[bmdb.MachineState]int64 {
-	f.t.Helper()
-	st, err := f.db.FleetStates(f.t.Context(), f.sim.Name(), 0, 0)
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return st
-}
-
 func (f *fleet) waitHealthy(n int64, timeout time.Duration) {
 	f.t.Helper()
 	bmdbtest.WaitFor(f.t, timeout, "every machine Healthy", func(ctx context.Context) (bool, error) {
