@@ -76,7 +76,7 @@ func takeover(ctx context.Context, cfg Config, executable string, stdin io.Reade
 		return takeoverError("%v", err)
 	}
 	cfg = cfg.withDefaults()
-	raw, err := readInit(ctx, stdin, cfg.StdinTimeout)
+	raw, err := ReadTakeoverInit(ctx, stdin, cfg.StdinTimeout, nil)
 	if err != nil {
 		return takeoverError("%v", err)
 	}
@@ -84,7 +84,7 @@ func takeover(ctx context.Context, cfg Config, executable string, stdin io.Reade
 	if err := proto.Unmarshal(raw, &init); err != nil {
 		return takeoverError("stdin does not hold a TakeoverInit: %v", err)
 	}
-	if err := validateInit(&init); err != nil {
+	if err := ValidateTakeoverInit(&init); err != nil {
 		return takeoverError("invalid TakeoverInit: %v", err)
 	}
 	pub, priv, err := ed25519.GenerateKey(rand.Reader)
@@ -110,20 +110,28 @@ func takeover(ctx context.Context, cfg Config, executable string, stdin io.Reade
 	}}}
 }
 
-// readInit reads stdin to its end, at most maxInitBytes, within timeout. A
+// ReadTakeoverInit reads stdin to its end, at most 64 KiB, within timeout,
+// as a takeover does; the simulated fleet reads its stdin the same way. A
 // reader that never ends (an SSH session that keeps stdin open) makes the
-// takeover fail instead of hang; the read itself cannot be interrupted and
-// ends with the process.
-func readInit(ctx context.Context, stdin io.Reader, timeout time.Duration) ([]byte, error) {
+// takeover fail instead of hang. The read itself cannot be interrupted: it
+// runs on a goroutine that goStart starts (nil: a plain go statement), so
+// that a caller that must wait for its goroutines can count it, and it ends
+// when stdin does.
+func ReadTakeoverInit(ctx context.Context, stdin io.Reader, timeout time.Duration, goStart func(func())) ([]byte, error) {
 	type result struct {
 		data []byte
 		err  error
 	}
 	ch := make(chan result, 1)
-	go func() {
+	read := func() {
 		data, err := io.ReadAll(io.LimitReader(stdin, maxInitBytes+1))
 		ch <- result{data, err}
-	}()
+	}
+	if goStart != nil {
+		goStart(read)
+	} else {
+		go read()
+	}
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
@@ -144,19 +152,27 @@ func readInit(ctx context.Context, stdin io.Reader, timeout time.Duration) ([]by
 	}
 }
 
-func validateInit(init *agentv1.TakeoverInit) error {
+// ValidateTakeoverInit checks what a takeover needs of its TakeoverInit:
+// a UUID machine id and a usable server endpoint and CA.
+func ValidateTakeoverInit(init *agentv1.TakeoverInit) error {
 	if _, err := uuid.Parse(init.GetMachineId()); err != nil {
 		return fmt.Errorf("machine_id %q is not a UUID", init.GetMachineId())
 	}
-	host, port, err := net.SplitHostPort(init.GetServerEndpoint())
+	return ValidateEndpoint(init.GetServerEndpoint(), init.GetCaCertificate())
+}
+
+// ValidateEndpoint checks a callback server endpoint (host:port) and the
+// DER CA certificate an agent verifies it with (empty: system roots).
+func ValidateEndpoint(endpoint string, caDER []byte) error {
+	host, port, err := net.SplitHostPort(endpoint)
 	if err != nil || host == "" {
-		return fmt.Errorf("server_endpoint %q is not host:port", init.GetServerEndpoint())
+		return fmt.Errorf("server_endpoint %q is not host:port", endpoint)
 	}
 	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
-		return fmt.Errorf("server_endpoint %q has no valid port", init.GetServerEndpoint())
+		return fmt.Errorf("server_endpoint %q has no valid port", endpoint)
 	}
-	if ca := init.GetCaCertificate(); len(ca) > 0 {
-		if _, err := x509.ParseCertificate(ca); err != nil {
+	if len(caDER) > 0 {
+		if _, err := x509.ParseCertificate(caDER); err != nil {
 			return fmt.Errorf("ca_certificate: %w", err)
 		}
 	}

@@ -25,7 +25,7 @@ func FuzzTakeoverInit(f *testing.F) {
 		if err := proto.Unmarshal(stdin, &init); err != nil {
 			return
 		}
-		if err := validateInit(&init); err != nil {
+		if err := ValidateTakeoverInit(&init); err != nil {
 			return
 		}
 		if _, err := uuid.Parse(init.GetMachineId()); err != nil {

@@ -291,7 +291,7 @@ func (f *Fleet) Adopt(endpoint string, caDER []byte, machines []Adoption) (ed255
 	if !f.cfg.SharedAgentKey {
 		return nil, errors.New("sim: Adopt needs SharedAgentKey")
 	}
-	if err := validateEndpoint(endpoint, caDER); err != nil {
+	if err := agent.ValidateEndpoint(endpoint, caDER); err != nil {
 		return nil, fmt.Errorf("sim: adopting: %w", err)
 	}
 	idx := make([]int32, len(machines))

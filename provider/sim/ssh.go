@@ -4,27 +4,21 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
-	"crypto/x509"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"strconv"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/pkg/sftp"
 	"golang.org/x/crypto/ssh"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/shepherd/shepherd/agent"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/provider"
 )
-
-// maxInitBytes bounds the TakeoverInit read from stdin, as the real agent
-// bounds it.
-const maxInitBytes = 64 << 10
 
 // stdinTimeout bounds how long a takeover waits for its stdin to end, as
 // the real agent's default StdinTimeout does.
@@ -284,7 +278,7 @@ func (f *Fleet) takeover(ctx context.Context, i int32, boot uint32, stdin io.Rea
 }
 
 func (f *Fleet) takeoverResult(ctx context.Context, i int32, boot uint32, stdin io.Reader) *agentv1.TakeoverResponse {
-	raw, err := f.readInit(ctx, stdin)
+	raw, err := agent.ReadTakeoverInit(ctx, stdin, stdinTimeout, f.conWG.Go)
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -304,7 +298,7 @@ func (f *Fleet) takeoverResult(ctx context.Context, i int32, boot uint32, stdin 
 	if err := proto.Unmarshal(raw, &init); err != nil {
 		return takeoverError("stdin does not hold a TakeoverInit: %v", err)
 	}
-	if err := validateInit(&init); err != nil {
+	if err := agent.ValidateTakeoverInit(&init); err != nil {
 		return takeoverError("invalid TakeoverInit: %v", err)
 	}
 	f.mu.Lock()
@@ -330,62 +324,4 @@ func (f *Fleet) takeoverResult(ctx context.Context, i int32, boot uint32, stdin 
 		InitMessage: &init,
 		PublicKey:   key.Public().(ed25519.PublicKey),
 	}}}
-}
-
-// readInit reads stdin to its end, at most maxInitBytes, within
-// stdinTimeout. The reader goroutine ends when the channel closes, which
-// happens right after a timeout (the answer is written and the channel
-// closed) or when the connection goes.
-func (f *Fleet) readInit(ctx context.Context, stdin io.Reader) ([]byte, error) {
-	type result struct {
-		data []byte
-		err  error
-	}
-	ch := make(chan result, 1)
-	f.conWG.Go(func() {
-		data, err := io.ReadAll(io.LimitReader(stdin, maxInitBytes+1))
-		ch <- result{data, err}
-	})
-	t := time.NewTimer(stdinTimeout)
-	defer t.Stop()
-	select {
-	case r := <-ch:
-		switch {
-		case r.err != nil:
-			return nil, fmt.Errorf("reading TakeoverInit from stdin: %w", r.err)
-		case len(r.data) == 0:
-			return nil, errors.New("stdin is empty: expected a TakeoverInit")
-		case len(r.data) > maxInitBytes:
-			return nil, fmt.Errorf("stdin holds more than %d bytes: not a TakeoverInit", maxInitBytes)
-		}
-		return r.data, nil
-	case <-t.C:
-		return nil, fmt.Errorf("no TakeoverInit on stdin within %s (stdin must be closed after it)", stdinTimeout)
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-}
-
-// validateInit checks a TakeoverInit as the real agent does.
-func validateInit(init *agentv1.TakeoverInit) error {
-	if _, err := uuid.Parse(init.GetMachineId()); err != nil {
-		return fmt.Errorf("machine_id %q is not a UUID", init.GetMachineId())
-	}
-	return validateEndpoint(init.GetServerEndpoint(), init.GetCaCertificate())
-}
-
-func validateEndpoint(endpoint string, caDER []byte) error {
-	host, port, err := net.SplitHostPort(endpoint)
-	if err != nil || host == "" {
-		return fmt.Errorf("server_endpoint %q is not host:port", endpoint)
-	}
-	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
-		return fmt.Errorf("server_endpoint %q has no valid port", endpoint)
-	}
-	if len(caDER) > 0 {
-		if _, err := x509.ParseCertificate(caDER); err != nil {
-			return fmt.Errorf("ca_certificate: %w", err)
-		}
-	}
-	return nil
 }
