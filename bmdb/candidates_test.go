@@ -40,6 +40,11 @@ func (f fixture) started(id uuid.UUID, ago time.Duration) {
 	f.db.Exec(f.t, "UPDATE machine_provided SET agent_phase_since = now() - $2::interval WHERE machine_id = $1", id, ago)
 }
 
+func (f fixture) status(id uuid.UUID, st bmdb.ProviderStatus) {
+	f.t.Helper()
+	f.db.Exec(f.t, "UPDATE machine_provided SET provider_status = $2 WHERE machine_id = $1", id, string(st))
+}
+
 func (f fixture) heartbeat(id uuid.UUID, ago time.Duration) {
 	f.t.Helper()
 	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.RecordHeartbeat(ctx, id) })
@@ -106,6 +111,11 @@ func TestCandidateQueries(t *testing.T) {
 		{"agent start held by dead session", "p", func(id uuid.UUID) { f.work(id, bmdb.ProcessAgentStart, true) }, true, false},
 		{"decommission work excludes agent start", "p", func(id uuid.UUID) { f.work(id, bmdb.ProcessDecommission, false) }, false, false},
 		{"provider update does not exclude agent start", "p", func(id uuid.UUID) { f.work(id, bmdb.ProcessProviderUpdate, false) }, true, false},
+		{"still provisioning at the provider", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusProvisioning) }, false, false},
+		{"provisioning failed", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusProvisioningFailedPermanent) }, false, false},
+		{"stopped at the provider", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusStopped) }, false, false},
+		{"missing at the provider", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusMissing) }, false, false},
+		{"provider status unknown", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusUnknown) }, true, false},
 		{"installed, never started", "p", func(id uuid.UUID) { f.install(id, 1, 1, true) }, false, false},
 		{"decommission requested", "p", func(id uuid.UUID) {
 			f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.RequestDecommission(ctx, id, "test", "gone") })

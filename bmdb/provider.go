@@ -1,6 +1,7 @@
 package bmdb
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -18,14 +19,8 @@ import (
 // per provider). It reports whether the session holds the lease now. The
 // lease ends with ReleaseProviderLease or with the session.
 func (s *Session) AcquireProviderLease(ctx context.Context, provider string) (bool, error) {
-	var held bool
-	err := s.db.retry(ctx, func(ctx context.Context) error {
+	held, err := s.acquireLease(ctx, func(ctx context.Context) error {
 		_, err := s.db.q.ProviderLeaseAcquire(ctx, model.ProviderLeaseAcquireParams{Provider: provider, SessionID: s.id})
-		if errors.Is(err, pgx.ErrNoRows) {
-			held = false
-			return nil
-		}
-		held = err == nil
 		return err
 	})
 	if err != nil {
@@ -45,12 +40,60 @@ func (s *Session) ReleaseProviderLease(ctx context.Context, provider string) err
 	return nil
 }
 
-// ProvidedRef is a machine as the provisioner compares it with a provider's
-// listing.
+// AcquireUpdateLease gives the session the update lease of provider if
+// nobody alive holds it (SPEC §3.5: one updater pass at a time per
+// provider). It reports whether the session holds the lease now. The lease
+// ends with ReleaseUpdateLease or with the session. It is independent of the
+// provisioning lease, so that the provisioner and the updater of one
+// provider run side by side.
+func (s *Session) AcquireUpdateLease(ctx context.Context, provider string) (bool, error) {
+	held, err := s.acquireLease(ctx, func(ctx context.Context) error {
+		_, err := s.db.q.ProviderUpdateLeaseAcquire(ctx, model.ProviderUpdateLeaseAcquireParams{Provider: provider, SessionID: s.id})
+		return err
+	})
+	if err != nil {
+		return false, fmt.Errorf("bmdb: acquiring the update lease of %s: %w", provider, err)
+	}
+	return held, nil
+}
+
+// ReleaseUpdateLease gives up the session's update lease of provider.
+func (s *Session) ReleaseUpdateLease(ctx context.Context, provider string) error {
+	err := s.db.retry(ctx, func(ctx context.Context) error {
+		return s.db.q.ProviderUpdateLeaseRelease(ctx, model.ProviderUpdateLeaseReleaseParams{Provider: provider, SessionID: s.id})
+	})
+	if err != nil {
+		return fmt.Errorf("bmdb: releasing the update lease of %s: %w", provider, err)
+	}
+	return nil
+}
+
+// acquireLease runs acquire, a lease query that returns no row when someone
+// else holds the lease, and reports whether the session holds it.
+func (s *Session) acquireLease(ctx context.Context, acquire func(ctx context.Context) error) (bool, error) {
+	var held bool
+	err := s.db.retry(ctx, func(ctx context.Context) error {
+		err := acquire(ctx)
+		if errors.Is(err, pgx.ErrNoRows) {
+			held = false
+			return nil
+		}
+		held = err == nil
+		return err
+	})
+	return held, err
+}
+
+// ProvidedRef is a machine as the provisioner and the updater compare it
+// with a provider's listing: its ids and what the BMDB holds of the
+// provider's details.
 type ProvidedRef struct {
-	MachineID  uuid.UUID
-	ProviderID string
-	Status     ProviderStatus
+	MachineID     uuid.UUID
+	ProviderID    string
+	Status        ProviderStatus
+	Address       netip.Addr // the zero Addr if unknown
+	Location      string
+	ReservationID string
 }
 
 // ListProvided returns every machine of provider, by provider id.
@@ -61,13 +104,20 @@ func (db *DB) ListProvided(ctx context.Context, provider string) ([]ProvidedRef,
 	}
 	out := make([]ProvidedRef, len(rows))
 	for i, r := range rows {
-		out[i] = ProvidedRef{MachineID: r.MachineID, ProviderID: r.ProviderID, Status: ProviderStatus(r.ProviderStatus)}
+		out[i] = ProvidedRef{
+			MachineID: r.MachineID, ProviderID: r.ProviderID, Status: ProviderStatus(r.ProviderStatus),
+			Location: r.ProviderLocation, ReservationID: r.ProviderReservationID,
+		}
+		if r.ProviderIPAddress != nil {
+			out[i].Address = *r.ProviderIPAddress
+		}
 	}
 	return out, nil
 }
 
 // SetProviderStatus records status for the machines of provider with the
-// given provider ids and returns how many it changed.
+// given provider ids and returns how many it changed. Machines that have the
+// status already are not written: their StatusAt keeps saying since when.
 func (tx *Tx) SetProviderStatus(ctx context.Context, provider string, status ProviderStatus, providerIDs []string) (int64, error) {
 	n, err := tx.q.ProvidedSetStatus(ctx, model.ProvidedSetStatusParams{Provider: provider, ProviderStatus: string(status), ProviderIds: providerIDs})
 	if err != nil {
@@ -76,27 +126,101 @@ func (tx *Tx) SetProviderStatus(ctx context.Context, provider string, status Pro
 	return n, nil
 }
 
-// UpdateProvided refreshes what the provider says about one machine.
-func (tx *Tx) UpdateProvided(ctx context.Context, p Provided) error {
-	if err := p.Validate(); err != nil {
-		return err
+// ProvidedUpdate is what a provider says now about one of its machines: the
+// details of the Provided tag that the provider, not Shepherd, decides.
+type ProvidedUpdate struct {
+	ProviderID    string         // the machine, by provider id
+	Status        ProviderStatus // default ProviderStatusUnknown
+	Address       netip.Addr     // main IP address; the zero Addr if unknown
+	Location      string
+	ReservationID string
+}
+
+// MaxProvidedUpdates bounds the updates one UpdateProvided call takes. It
+// keeps a transaction short (its row locks block claims of those machines
+// until it commits) and its statement a few hundred kilobytes, while still
+// writing a fleet of 100,000 machines in 100 transactions.
+const MaxProvidedUpdates = 1000
+
+// UpdateProvided refreshes the details of provider's machines, all in one
+// set-based statement, and returns how many machines it changed. Machines
+// the BMDB lacks are skipped, and so are machines that have the given
+// details already, which are not written at all. StatusAt moves only for
+// machines whose status changes. Provider ids should be distinct (of repeated
+// ones, one update is applied), and at most MaxProvidedUpdates are taken
+// per call: split larger batches over transactions.
+func (tx *Tx) UpdateProvided(ctx context.Context, provider string, updates []ProvidedUpdate) (int64, error) {
+	if len(updates) > MaxProvidedUpdates {
+		return 0, fmt.Errorf("bmdb: updating %d machines of %s at once; at most %d per call", len(updates), provider, MaxProvidedUpdates)
 	}
-	var addr *netip.Addr
-	if p.Address.IsValid() {
-		addr = &p.Address
+	if len(updates) == 0 {
+		return 0, nil
 	}
-	status := p.Status
-	if status == "" {
-		status = ProviderStatusUnknown
+	arg := model.ProvidedUpdateManyParams{
+		Provider:       provider,
+		ProviderIds:    make([]string, len(updates)),
+		Statuses:       make([]string, len(updates)),
+		IpAddresses:    make([]string, len(updates)),
+		Locations:      make([]string, len(updates)),
+		ReservationIds: make([]string, len(updates)),
 	}
-	_, err := tx.q.ProvidedUpdate(ctx, model.ProvidedUpdateParams{
-		Provider: p.Provider, ProviderID: p.ProviderID, ProviderStatus: string(status),
-		ProviderIPAddress: addr, ProviderLocation: p.Location, ProviderReservationID: p.ReservationID,
-	})
+	for i, u := range updates {
+		p := Provided{Provider: provider, ProviderID: u.ProviderID, Status: u.Status}
+		if err := p.Validate(); err != nil {
+			return 0, err
+		}
+		arg.ProviderIds[i] = u.ProviderID
+		arg.Statuses[i] = string(cmp.Or(u.Status, ProviderStatusUnknown))
+		if u.Address.IsValid() {
+			// inet has no zones; a zone would only make the cast fail.
+			arg.IpAddresses[i] = u.Address.WithZone("").String()
+		}
+		arg.Locations[i] = u.Location
+		arg.ReservationIds[i] = u.ReservationID
+	}
+	n, err := tx.q.ProvidedUpdateMany(ctx, arg)
 	if err != nil {
-		return fmt.Errorf("bmdb: updating machine %s/%s: %w", p.Provider, p.ProviderID, err)
+		return 0, fmt.Errorf("bmdb: updating %d machines of %s: %w", len(updates), provider, err)
+	}
+	return n, nil
+}
+
+// ProviderHasStatus reports whether any machine of provider has one of
+// statuses (the updater polls faster while some machine is Provisioning).
+func (db *DB) ProviderHasStatus(ctx context.Context, provider string, statuses ...ProviderStatus) (bool, error) {
+	ss := make([]string, len(statuses))
+	for i, st := range statuses {
+		ss[i] = string(st)
+	}
+	found, err := db.q.ProvidedStatusExists(ctx, model.ProvidedStatusExistsParams{Provider: provider, Statuses: ss})
+	if err != nil {
+		return false, fmt.Errorf("bmdb: looking for machines of %s in status %v: %w", provider, statuses, err)
+	}
+	return found, nil
+}
+
+// ConfirmUpdate records that an updater pass applied a listing of provider
+// it believed: every machine of the provider that is not Missing had the
+// details the BMDB holds at this (database) time. It is the per-provider
+// counterpart of a per-machine "last confirmed" time, which would cost a
+// write of every machine on every pass.
+func (tx *Tx) ConfirmUpdate(ctx context.Context, provider string) error {
+	if err := tx.q.ProviderUpdateConfirm(ctx, provider); err != nil {
+		return fmt.Errorf("bmdb: recording the update of %s: %w", provider, err)
 	}
 	return nil
+}
+
+// UpdateConfirmedAt returns when ConfirmUpdate last ran for provider, or
+// the zero time if it never did.
+func (db *DB) UpdateConfirmedAt(ctx context.Context, provider string) (time.Time, error) {
+	at, err := db.q.ProviderUpdateConfirmedAt(ctx, provider)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && at == nil) {
+		return time.Time{}, nil
+	} else if err != nil {
+		return time.Time{}, fmt.Errorf("bmdb: reading when %s was last updated: %w", provider, err)
+	}
+	return *at, nil
 }
 
 // RecoveryReboots counts the reboots the recoverer issued for provider's

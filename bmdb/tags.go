@@ -35,7 +35,7 @@ type Provided struct {
 	Address       netip.Addr     // main IP address; the zero Addr if unknown
 	Location      string         // provider location (facility, metro, rack)
 	Status        ProviderStatus // default ProviderStatusUnknown
-	StatusAt      time.Time      // when the provider last confirmed this; read-only
+	StatusAt      time.Time      // since when the machine has had Status (recorded or changed then); read-only
 }
 
 // Validate reports the first problem with the tag. It changes nothing.

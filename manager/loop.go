@@ -1,6 +1,7 @@
 // Package manager runs Shepherd's control loops (SPEC §3): the runner that
-// claims machines from the BMDB and hands them to a process function, and
-// the provisioner, initializer and recoverer built on it.
+// claims machines from the BMDB and hands them to a process function, the
+// initializer and recoverer built on it, and the provisioner and updater,
+// which hold a provider's listing against the BMDB one pass at a time.
 package manager
 
 import (

@@ -151,7 +151,9 @@ func (pr *Provisioner) Pass(ctx context.Context, s *bmdb.Session) (PassResult, e
 		return PassResult{Busy: true}, nil
 	}
 	defer func() {
-		if err := s.ReleaseProviderLease(context.WithoutCancel(ctx), pr.p.Name()); err != nil {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		defer cancel()
+		if err := s.ReleaseProviderLease(rctx, pr.p.Name()); err != nil {
 			pr.log.WarnContext(ctx, "releasing the provisioning lease", "err", err)
 		}
 	}()
@@ -169,79 +171,31 @@ func (pr *Provisioner) Pass(ctx context.Context, s *bmdb.Session) (PassResult, e
 
 func (pr *Provisioner) pass(ctx context.Context, s *bmdb.Session) (PassResult, error) {
 	var res PassResult
-	listing, err := pr.p.ListMachines(ctx)
-	if err != nil {
-		return res, fmt.Errorf("listing %s: %w", pr.p.Name(), err)
-	}
-	known, err := pr.db.ListProvided(ctx, pr.p.Name())
+	l, err := listProvider(ctx, pr.db, pr.p, pr.log)
 	if err != nil {
 		return res, err
 	}
-	inBMDB := make(map[string]bmdb.ProvidedRef, len(known))
-	for _, k := range known {
-		inBMDB[k.ProviderID] = k
-	}
-	listed := make(map[string]provider.Machine, len(listing))
-	for _, m := range listing {
-		if !provider.ValidID(m.ID()) {
-			pr.log.WarnContext(ctx, "provider listed a machine with an invalid id; ignoring it", "provider_id", m.ID())
-			continue
-		}
-		listed[m.ID()] = m
-	}
+	known, inBMDB := l.known, l.inBMDB
 
-	// Machines the BMDB has and the listing lacks. Many at once means the
-	// listing is wrong, not the fleet.
-	var missing, found []string
-	present := 0
-	for _, k := range known {
-		_, ok := listed[k.ProviderID]
-		switch {
-		case !ok && k.Status != bmdb.ProviderStatusMissing:
-			missing = append(missing, k.ProviderID)
-		case ok && k.Status == bmdb.ProviderStatusMissing:
-			found = append(found, k.ProviderID)
-		}
-		if k.Status != bmdb.ProviderStatusMissing {
-			present++
-		}
+	// Machines the BMDB has and the listing lacks become Missing, unless so
+	// many do that the listing is not believed.
+	presence, err := l.reconcilePresence(ctx, s, pr.cfg.SuspectFraction, pr.log)
+	if err != nil {
+		return res, err
 	}
-	if present > 0 && float64(len(missing)) > pr.cfg.SuspectFraction*float64(present) {
-		pr.log.WarnContext(ctx, "provider listing lacks too many known machines; believing none of it this pass",
-			"missing", len(missing), "known", present, "suspect_fraction", pr.cfg.SuspectFraction)
+	if presence.suspect {
 		return PassResult{Suspect: true}, nil
 	}
-	if len(missing) > 0 || len(found) > 0 {
-		err := s.Transact(ctx, func(ctx context.Context, tx *bmdb.Tx) error {
-			if len(missing) > 0 {
-				if _, err := tx.SetProviderStatus(ctx, pr.p.Name(), bmdb.ProviderStatusMissing, missing); err != nil {
-					return err
-				}
-			}
-			for _, id := range found {
-				if err := tx.UpdateProvided(ctx, providedOf(pr.p.Name(), listed[id])); err != nil {
-					return err
-				}
-			}
-			return nil
-		})
-		if err != nil {
-			return res, err
-		}
-		res.MarkedMissing, res.Found = len(missing), len(found)
-		pr.metrics.machines.WithLabelValues("missing").Add(float64(len(missing)))
-		pr.metrics.machines.WithLabelValues("found").Add(float64(len(found)))
-		for _, id := range missing {
-			pr.log.WarnContext(ctx, "machine missing at the provider", "provider_id", id, "machine_id", inBMDB[id].MachineID.String())
-		}
-	}
-	pr.metrics.missing.Set(float64(len(missing) + (len(known) - present - len(found))))
+	res.MarkedMissing, res.Found = len(presence.missing), len(presence.found)
+	pr.metrics.machines.WithLabelValues("missing").Add(float64(res.MarkedMissing))
+	pr.metrics.machines.WithLabelValues("found").Add(float64(res.Found))
+	pr.metrics.missing.Set(float64(res.MarkedMissing + (len(known) - presence.present - res.Found)))
 
 	// Ours but unknown to the BMDB (a crash between creating and recording):
 	// adopt. Capacity: create, within the limits.
 	var adopt, capacity []provider.Machine
-	for _, m := range listing {
-		if _, ok := inBMDB[m.ID()]; ok || !provider.ValidID(m.ID()) {
+	for _, m := range l.machines {
+		if _, ok := inBMDB[m.ID()]; ok {
 			continue
 		}
 		switch m.Availability() {
@@ -302,19 +256,4 @@ func (pr *Provisioner) record(ctx context.Context, s *bmdb.Session, m provider.M
 		_, err := tx.AddMachine(ctx, providedOf(pr.p.Name(), m))
 		return err
 	})
-}
-
-// providedOf is the Provided tag of m.
-func providedOf(name string, m provider.Machine) bmdb.Provided {
-	p := bmdb.Provided{Provider: name, ProviderID: m.ID(), Status: bmdb.ProviderStatusUnknown}
-	if a := m.Addr(); a.IsValid() {
-		p.Address = a.Addr()
-	}
-	if d, ok := m.(provider.Described); ok {
-		p.Location, p.ReservationID, p.Status = d.Location(), d.ReservationID(), bmdb.ProviderStatus(d.Status())
-	}
-	if m.Failed() {
-		p.Status = bmdb.ProviderStatusProvisioningFailedPermanent
-	}
-	return p
 }

@@ -24,6 +24,7 @@ WITH candidate AS (
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -169,6 +170,7 @@ WITH candidate AS (
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -598,6 +600,7 @@ FROM (
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -637,6 +640,7 @@ FROM (
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
 `
 
@@ -753,6 +757,7 @@ FROM (
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -785,7 +790,10 @@ type ListAgentStartCandidatesParams struct {
 // AgentStart: provided machines whose agent was never started (or was
 // cleared by recovery) and that are not installed, longest waiting first.
 // agent_phase encodes "no AgentStarted, not installed" and is served by the
-// machine_provided_awaiting_agent partial index.
+// machine_provided_awaiting_agent partial index. Machines the provider
+// reports as not up (still provisioning, failed, stopped, gone) are left
+// until the updater sees them running: an attempt could only fail and back
+// off for minutes.
 func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentStartCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listAgentStartCandidates,
 		arg.Provider,

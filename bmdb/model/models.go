@@ -70,10 +70,11 @@ type MachineProvided struct {
 	ProviderIPAddress     *netip.Addr
 	ProviderLocation      string
 	ProviderStatus        string
-	ProviderStatusAt      *time.Time
-	AgentPhase            string
-	AgentPhaseSince       time.Time
-	Revision              int64
+	// When provider_status was recorded or last changed: the machine has had this status since then. provider_state.update_confirmed_at says when the provider last confirmed it.
+	ProviderStatusAt *time.Time
+	AgentPhase       string
+	AgentPhaseSince  time.Time
+	Revision         int64
 }
 
 type MachineSshHostKey struct {
@@ -89,9 +90,12 @@ type Process struct {
 }
 
 type ProviderState struct {
-	Provider        string
-	LeaseSessionID  uuid.NullUUID
-	LeaseAcquiredAt *time.Time
+	Provider              string
+	LeaseSessionID        uuid.NullUUID
+	LeaseAcquiredAt       *time.Time
+	UpdateLeaseSessionID  uuid.NullUUID
+	UpdateLeaseAcquiredAt *time.Time
+	UpdateConfirmedAt     *time.Time
 }
 
 type Session struct {

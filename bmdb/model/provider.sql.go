@@ -86,20 +86,25 @@ func (q *Queries) MachineByProviderID(ctx context.Context, arg MachineByProvider
 }
 
 const providedList = `-- name: ProvidedList :many
-SELECT machine_id, provider_id, provider_status
+SELECT machine_id, provider_id, provider_status, provider_ip_address,
+       provider_location, provider_reservation_id
 FROM machine_provided
 WHERE provider = $1
 ORDER BY provider_id
 `
 
 type ProvidedListRow struct {
-	MachineID      uuid.UUID
-	ProviderID     string
-	ProviderStatus string
+	MachineID             uuid.UUID
+	ProviderID            string
+	ProviderStatus        string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderReservationID string
 }
 
-// ProvidedList returns every machine of a provider with its provider id
-// and status, for the provisioner to compare with the provider's listing.
+// ProvidedList returns every machine of a provider with what the BMDB holds
+// of the provider's details, for the provisioner and the updater to compare
+// with the provider's listing.
 func (q *Queries) ProvidedList(ctx context.Context, provider string) ([]ProvidedListRow, error) {
 	rows, err := q.db.Query(ctx, providedList, provider)
 	if err != nil {
@@ -109,7 +114,14 @@ func (q *Queries) ProvidedList(ctx context.Context, provider string) ([]Provided
 	items := []ProvidedListRow{}
 	for rows.Next() {
 		var i ProvidedListRow
-		if err := rows.Scan(&i.MachineID, &i.ProviderID, &i.ProviderStatus); err != nil {
+		if err := rows.Scan(
+			&i.MachineID,
+			&i.ProviderID,
+			&i.ProviderStatus,
+			&i.ProviderIPAddress,
+			&i.ProviderLocation,
+			&i.ProviderReservationID,
+		); err != nil {
 			return nil, err
 		}
 		items = append(items, i)
@@ -124,6 +136,7 @@ const providedSetStatus = `-- name: ProvidedSetStatus :execrows
 UPDATE machine_provided
 SET provider_status = $1, provider_status_at = now()
 WHERE provider = $2 AND provider_id = ANY($3::text[])
+  AND provider_status <> $1
 `
 
 type ProvidedSetStatusParams struct {
@@ -132,8 +145,9 @@ type ProvidedSetStatusParams struct {
 	ProviderIds    []string
 }
 
-// ProvidedSetStatus records what the provider said about machines (by
-// provider id) and when.
+// ProvidedSetStatus records a status the provider gave machines (by
+// provider id). Only machines whose status differs are written, so
+// provider_status_at keeps saying since when a machine has its status.
 func (q *Queries) ProvidedSetStatus(ctx context.Context, arg ProvidedSetStatusParams) (int64, error) {
 	result, err := q.db.Exec(ctx, providedSetStatus, arg.ProviderStatus, arg.Provider, arg.ProviderIds)
 	if err != nil {
@@ -142,34 +156,71 @@ func (q *Queries) ProvidedSetStatus(ctx context.Context, arg ProvidedSetStatusPa
 	return result.RowsAffected(), nil
 }
 
-const providedUpdate = `-- name: ProvidedUpdate :execrows
-UPDATE machine_provided
-SET provider_status = $1,
-    provider_ip_address = $2::inet,
-    provider_location = $3,
-    provider_reservation_id = $4,
-    provider_status_at = now()
-WHERE provider = $5 AND provider_id = $6
+const providedStatusExists = `-- name: ProvidedStatusExists :one
+SELECT EXISTS (
+    SELECT 1 FROM machine_provided
+    WHERE provider = $1 AND provider_status = ANY($2::text[])
+)::boolean AS found
 `
 
-type ProvidedUpdateParams struct {
-	ProviderStatus        string
-	ProviderIPAddress     *netip.Addr
-	ProviderLocation      string
-	ProviderReservationID string
-	Provider              string
-	ProviderID            string
+type ProvidedStatusExistsParams struct {
+	Provider string
+	Statuses []string
 }
 
-// ProvidedUpdate refreshes the provider's details of one machine.
-func (q *Queries) ProvidedUpdate(ctx context.Context, arg ProvidedUpdateParams) (int64, error) {
-	result, err := q.db.Exec(ctx, providedUpdate,
-		arg.ProviderStatus,
-		arg.ProviderIPAddress,
-		arg.ProviderLocation,
-		arg.ProviderReservationID,
+// ProvidedStatusExists reports whether any machine of a provider has one of
+// the statuses; the updater asks it to choose its period. It is served from
+// machine_provided_provider_status and stops at the first match.
+func (q *Queries) ProvidedStatusExists(ctx context.Context, arg ProvidedStatusExistsParams) (bool, error) {
+	row := q.db.QueryRow(ctx, providedStatusExists, arg.Provider, arg.Statuses)
+	var found bool
+	err := row.Scan(&found)
+	return found, err
+}
+
+const providedUpdateMany = `-- name: ProvidedUpdateMany :execrows
+UPDATE machine_provided p
+SET provider_status = u.status,
+    provider_ip_address = NULLIF(u.ip_address, '')::inet,
+    provider_location = u.location,
+    provider_reservation_id = u.reservation_id,
+    provider_status_at = CASE WHEN p.provider_status <> u.status THEN now() ELSE p.provider_status_at END
+FROM (
+    -- Set-returning functions in one select list run in lockstep: this is
+    -- unnest(a, b, ...) in a form sqlc understands.
+    SELECT unnest($2::text[]) AS provider_id,
+           unnest($3::text[]) AS status,
+           unnest($4::text[]) AS ip_address,
+           unnest($5::text[]) AS location,
+           unnest($6::text[]) AS reservation_id
+) AS u
+WHERE p.provider = $1 AND p.provider_id = u.provider_id
+  AND (p.provider_status, p.provider_ip_address, p.provider_location, p.provider_reservation_id)
+      IS DISTINCT FROM (u.status, NULLIF(u.ip_address, '')::inet, u.location, u.reservation_id)
+`
+
+type ProvidedUpdateManyParams struct {
+	Provider       string
+	ProviderIds    []string
+	Statuses       []string
+	IpAddresses    []string
+	Locations      []string
+	ReservationIds []string
+}
+
+// ProvidedUpdateMany refreshes the provider's details of many machines in
+// one statement: the arrays are parallel, one element per machine (by
+// provider id; an empty ip_address means unknown). Rows whose details are
+// already those given are not written, so a pass over an unchanged fleet
+// writes nothing; provider_status_at moves only when the status changes.
+func (q *Queries) ProvidedUpdateMany(ctx context.Context, arg ProvidedUpdateManyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, providedUpdateMany,
 		arg.Provider,
-		arg.ProviderID,
+		arg.ProviderIds,
+		arg.Statuses,
+		arg.IpAddresses,
+		arg.Locations,
+		arg.ReservationIds,
 	)
 	if err != nil {
 		return 0, err
@@ -252,6 +303,76 @@ ON CONFLICT (provider) DO UPDATE SET provider = EXCLUDED.provider
 // the end of the transaction, to serialise decisions about the provider.
 func (q *Queries) ProviderStateLock(ctx context.Context, provider string) error {
 	_, err := q.db.Exec(ctx, providerStateLock, provider)
+	return err
+}
+
+const providerUpdateConfirm = `-- name: ProviderUpdateConfirm :exec
+INSERT INTO provider_state AS ps (provider, update_confirmed_at) VALUES ($1, now())
+ON CONFLICT (provider) DO UPDATE SET update_confirmed_at = EXCLUDED.update_confirmed_at
+`
+
+// ProviderUpdateConfirm records that an updater pass applied a listing of
+// the provider it believed.
+func (q *Queries) ProviderUpdateConfirm(ctx context.Context, provider string) error {
+	_, err := q.db.Exec(ctx, providerUpdateConfirm, provider)
+	return err
+}
+
+const providerUpdateConfirmedAt = `-- name: ProviderUpdateConfirmedAt :one
+SELECT update_confirmed_at FROM provider_state WHERE provider = $1
+`
+
+func (q *Queries) ProviderUpdateConfirmedAt(ctx context.Context, provider string) (*time.Time, error) {
+	row := q.db.QueryRow(ctx, providerUpdateConfirmedAt, provider)
+	var update_confirmed_at *time.Time
+	err := row.Scan(&update_confirmed_at)
+	return update_confirmed_at, err
+}
+
+const providerUpdateLeaseAcquire = `-- name: ProviderUpdateLeaseAcquire :one
+INSERT INTO provider_state AS ps (provider, update_lease_session_id, update_lease_acquired_at)
+SELECT $1::text, $2::uuid, now()
+WHERE EXISTS (SELECT 1 FROM sessions s WHERE s.session_id = $2 AND s.deadline > now() AND s.closed_at IS NULL)
+ON CONFLICT (provider) DO UPDATE
+SET update_lease_session_id = EXCLUDED.update_lease_session_id,
+    update_lease_acquired_at = EXCLUDED.update_lease_acquired_at
+WHERE ps.update_lease_session_id IS NULL
+   OR ps.update_lease_session_id = EXCLUDED.update_lease_session_id
+   OR NOT EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = ps.update_lease_session_id AND s.deadline > now() AND s.closed_at IS NULL)
+RETURNING ps.update_lease_acquired_at
+`
+
+type ProviderUpdateLeaseAcquireParams struct {
+	Provider  string
+	SessionID uuid.UUID
+}
+
+// ProviderUpdateLeaseAcquire gives the update lease of a provider to the
+// session if it is free (never held, or held by a session that is not alive
+// any more) or already the session's. No row: someone else holds it. It is
+// independent of the provisioning lease.
+func (q *Queries) ProviderUpdateLeaseAcquire(ctx context.Context, arg ProviderUpdateLeaseAcquireParams) (*time.Time, error) {
+	row := q.db.QueryRow(ctx, providerUpdateLeaseAcquire, arg.Provider, arg.SessionID)
+	var update_lease_acquired_at *time.Time
+	err := row.Scan(&update_lease_acquired_at)
+	return update_lease_acquired_at, err
+}
+
+const providerUpdateLeaseRelease = `-- name: ProviderUpdateLeaseRelease :exec
+UPDATE provider_state
+SET update_lease_session_id = NULL, update_lease_acquired_at = NULL
+WHERE provider = $1 AND update_lease_session_id = $2::uuid
+`
+
+type ProviderUpdateLeaseReleaseParams struct {
+	Provider  string
+	SessionID uuid.UUID
+}
+
+func (q *Queries) ProviderUpdateLeaseRelease(ctx context.Context, arg ProviderUpdateLeaseReleaseParams) error {
+	_, err := q.db.Exec(ctx, providerUpdateLeaseRelease, arg.Provider, arg.SessionID)
 	return err
 }
 

@@ -4,13 +4,17 @@
 -- AgentStart: provided machines whose agent was never started (or was
 -- cleared by recovery) and that are not installed, longest waiting first.
 -- agent_phase encodes "no AgentStarted, not installed" and is served by the
--- machine_provided_awaiting_agent partial index.
+-- machine_provided_awaiting_agent partial index. Machines the provider
+-- reports as not up (still provisioning, failed, stopped, gone) are left
+-- until the updater sees them running: an attempt could only fail and back
+-- off for minutes.
 SELECT c.machine_id
 FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -38,6 +42,7 @@ FROM (
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -67,6 +72,7 @@ FROM (
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c;
 
 -- name: ClaimAgentStartCandidate :one
@@ -94,6 +100,7 @@ WITH candidate AS (
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -180,6 +187,7 @@ WITH candidate AS (
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (

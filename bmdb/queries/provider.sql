@@ -26,29 +26,89 @@ INSERT INTO provider_state (provider) VALUES (@provider)
 ON CONFLICT (provider) DO UPDATE SET provider = EXCLUDED.provider;
 
 -- name: ProvidedList :many
--- ProvidedList returns every machine of a provider with its provider id
--- and status, for the provisioner to compare with the provider's listing.
-SELECT machine_id, provider_id, provider_status
+-- ProvidedList returns every machine of a provider with what the BMDB holds
+-- of the provider's details, for the provisioner and the updater to compare
+-- with the provider's listing.
+SELECT machine_id, provider_id, provider_status, provider_ip_address,
+       provider_location, provider_reservation_id
 FROM machine_provided
 WHERE provider = @provider
 ORDER BY provider_id;
 
 -- name: ProvidedSetStatus :execrows
--- ProvidedSetStatus records what the provider said about machines (by
--- provider id) and when.
+-- ProvidedSetStatus records a status the provider gave machines (by
+-- provider id). Only machines whose status differs are written, so
+-- provider_status_at keeps saying since when a machine has its status.
 UPDATE machine_provided
 SET provider_status = @provider_status, provider_status_at = now()
-WHERE provider = @provider AND provider_id = ANY(@provider_ids::text[]);
+WHERE provider = @provider AND provider_id = ANY(@provider_ids::text[])
+  AND provider_status <> @provider_status;
 
--- name: ProvidedUpdate :execrows
--- ProvidedUpdate refreshes the provider's details of one machine.
-UPDATE machine_provided
-SET provider_status = @provider_status,
-    provider_ip_address = sqlc.narg(provider_ip_address)::inet,
-    provider_location = @provider_location,
-    provider_reservation_id = @provider_reservation_id,
-    provider_status_at = now()
-WHERE provider = @provider AND provider_id = @provider_id;
+-- name: ProvidedUpdateMany :execrows
+-- ProvidedUpdateMany refreshes the provider's details of many machines in
+-- one statement: the arrays are parallel, one element per machine (by
+-- provider id; an empty ip_address means unknown). Rows whose details are
+-- already those given are not written, so a pass over an unchanged fleet
+-- writes nothing; provider_status_at moves only when the status changes.
+UPDATE machine_provided p
+SET provider_status = u.status,
+    provider_ip_address = NULLIF(u.ip_address, '')::inet,
+    provider_location = u.location,
+    provider_reservation_id = u.reservation_id,
+    provider_status_at = CASE WHEN p.provider_status <> u.status THEN now() ELSE p.provider_status_at END
+FROM (
+    -- Set-returning functions in one select list run in lockstep: this is
+    -- unnest(a, b, ...) in a form sqlc understands.
+    SELECT unnest(@provider_ids::text[]) AS provider_id,
+           unnest(@statuses::text[]) AS status,
+           unnest(@ip_addresses::text[]) AS ip_address,
+           unnest(@locations::text[]) AS location,
+           unnest(@reservation_ids::text[]) AS reservation_id
+) AS u
+WHERE p.provider = @provider AND p.provider_id = u.provider_id
+  AND (p.provider_status, p.provider_ip_address, p.provider_location, p.provider_reservation_id)
+      IS DISTINCT FROM (u.status, NULLIF(u.ip_address, '')::inet, u.location, u.reservation_id);
+
+-- name: ProvidedStatusExists :one
+-- ProvidedStatusExists reports whether any machine of a provider has one of
+-- the statuses; the updater asks it to choose its period. It is served from
+-- machine_provided_provider_status and stops at the first match.
+SELECT EXISTS (
+    SELECT 1 FROM machine_provided
+    WHERE provider = @provider AND provider_status = ANY(@statuses::text[])
+)::boolean AS found;
+
+-- name: ProviderUpdateLeaseAcquire :one
+-- ProviderUpdateLeaseAcquire gives the update lease of a provider to the
+-- session if it is free (never held, or held by a session that is not alive
+-- any more) or already the session's. No row: someone else holds it. It is
+-- independent of the provisioning lease.
+INSERT INTO provider_state AS ps (provider, update_lease_session_id, update_lease_acquired_at)
+SELECT @provider::text, @session_id::uuid, now()
+WHERE EXISTS (SELECT 1 FROM sessions s WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+ON CONFLICT (provider) DO UPDATE
+SET update_lease_session_id = EXCLUDED.update_lease_session_id,
+    update_lease_acquired_at = EXCLUDED.update_lease_acquired_at
+WHERE ps.update_lease_session_id IS NULL
+   OR ps.update_lease_session_id = EXCLUDED.update_lease_session_id
+   OR NOT EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = ps.update_lease_session_id AND s.deadline > now() AND s.closed_at IS NULL)
+RETURNING ps.update_lease_acquired_at;
+
+-- name: ProviderUpdateLeaseRelease :exec
+UPDATE provider_state
+SET update_lease_session_id = NULL, update_lease_acquired_at = NULL
+WHERE provider = @provider AND update_lease_session_id = @session_id::uuid;
+
+-- name: ProviderUpdateConfirm :exec
+-- ProviderUpdateConfirm records that an updater pass applied a listing of
+-- the provider it believed.
+INSERT INTO provider_state AS ps (provider, update_confirmed_at) VALUES (@provider, now())
+ON CONFLICT (provider) DO UPDATE SET update_confirmed_at = EXCLUDED.update_confirmed_at;
+
+-- name: ProviderUpdateConfirmedAt :one
+SELECT update_confirmed_at FROM provider_state WHERE provider = @provider;
 
 -- name: RecoveryRebootsInWindow :one
 -- RecoveryRebootsInWindow counts the reboots the recoverer issued for a

@@ -16,6 +16,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/pgserver"
+	"github.com/shepherd/shepherd/provider"
+	"github.com/shepherd/shepherd/provider/equinix"
 )
 
 // devDatabase is the database `shepherd dev` keeps the BMDB in.
@@ -28,13 +30,16 @@ func newDevCommand() *cobra.Command {
 		dataDir  string
 		machines int
 		simYAML  string
+		kind     string
 	)
 	cmd := &cobra.Command{
 		Use:   "dev",
 		Short: "Run a private PostgreSQL, a simulated fleet and every component, until Ctrl-C",
 		Long: "Zero-setup development mode: starts a private PostgreSQL in --data-dir (kept between runs),\n" +
 			"migrates it, starts the callback server, a simulated fleet and all control loops, and prints\n" +
-			"the fleet's progress. Ctrl-C stops everything, PostgreSQL included.",
+			"the fleet's progress. Ctrl-C stops everything, PostgreSQL included.\n\n" +
+			"--provider=equinix runs the real Equinix Metal provider against an in-process fake Metal API\n" +
+			"with --machines hardware reservations; simulated machines stand in for the devices.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := logs.logger()
@@ -43,6 +48,9 @@ func newDevCommand() *cobra.Command {
 			}
 			if machines < 1 {
 				return fmt.Errorf("--machines must be at least 1, got %d", machines)
+			}
+			if kind != "sim" && kind != equinix.Name {
+				return fmt.Errorf("--provider must be sim or equinix, got %q", kind)
 			}
 			out := cmd.OutOrStdout()
 			if err := os.MkdirAll(dataDir, 0o755); err != nil {
@@ -81,14 +89,18 @@ func newDevCommand() *cobra.Command {
 				return err
 			}
 			cfg.Components = allComponents
-			cfg.Provider = "sim"
+			cfg.Provider = kind
 			cfg.ProviderConfig = []byte(fmt.Sprintf("machines: %d\n%s", machines, simYAML))
+			if kind == equinix.Name {
+				cfg.Providers = provider.NewRegistry()
+				cfg.Providers.Add(equinix.Name, devEquinixFactory(machines, simYAML))
+			}
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
 			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
 			cfg.Initializer.AgentPath = agent
 			s := &stack{cfg: cfg, db: db, reg: newRegistry(), log: log}
 			return s.run(ctx, func(s *stack) {
-				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines\n", s.endpoint, machines)
+				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines (provider %s)\n", s.endpoint, machines, kind)
 				go progress(ctx, out, s, machines)
 			})
 		},
@@ -99,6 +111,7 @@ func newDevCommand() *cobra.Command {
 	fl.Lookup("log-level").DefValue = "warn"
 	fl.StringVar(&dataDir, "data-dir", filepath.Join(os.TempDir(), fmt.Sprintf("shepherd-dev-%d", os.Getuid())), "directory kept between runs: PostgreSQL, keys, CA")
 	fl.IntVar(&machines, "machines", 50, "size of the simulated fleet")
+	fl.StringVar(&kind, "provider", "sim", "sim, or equinix: the Equinix Metal provider against an in-process fake Metal API")
 	fl.StringVar(&simYAML, "sim", "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\n", "more simulator configuration (YAML)")
 	bindStackFlags(fl, &cfg)
 	// Development defaults: a local server, and a fleet that shows its life
@@ -109,6 +122,8 @@ func newDevCommand() *cobra.Command {
 		"heartbeat-timeout":       "30s",
 		"first-heartbeat-timeout": "1m",
 		"provisioner-period":      "5s",
+		"updater-changing-period": "2s",
+		"updater-stable-period":   "30s",
 		"agent-dir":               "/var/lib/shepherd-agent",
 	} {
 		_ = fl.Set(name, v)

@@ -32,7 +32,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newRunCommand(), newDevCommand(), newMigrateCommand(), newInstallCommand(), newVersionCommand())
+	root.AddCommand(newRunCommand(), newDevCommand(), newMigrateCommand(), newInstallCommand(), newEquinixCommand(), newVersionCommand())
 	return root
 }
 

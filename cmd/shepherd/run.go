@@ -82,7 +82,11 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.IntVar(&pr.ChunkSize, "chunk-size", 50, "provisioner: machines created per pass")
 	pr.CreateLimit = manager.DefaultLimit()
 	fl.Var(&pr.CreateLimit, "create-limit", "provisioner: creation rate as duration,burst")
-	fl.Float64Var(&pr.SuspectFraction, "suspect-fraction", 0.2, "provisioner: ignore a listing that lacks more than this fraction of known machines")
+	fl.Float64Var(&pr.SuspectFraction, "suspect-fraction", 0.2, "provisioner and updater: ignore a listing that lacks more than this fraction of known machines")
+
+	up := &cfg.Updater
+	fl.DurationVar(&up.ChangingPeriod, "updater-changing-period", 10*time.Second, "updater: time between passes while a machine is provisioning")
+	fl.DurationVar(&up.StablePeriod, "updater-stable-period", 5*time.Minute, "updater: time between passes while no machine is changing")
 }
 
 func newRunCommand() *cobra.Command {

@@ -24,6 +24,7 @@ import (
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
+	"github.com/shepherd/shepherd/provider/equinix"
 	"github.com/shepherd/shepherd/provider/sim"
 	"github.com/shepherd/shepherd/provider/static"
 	"github.com/shepherd/shepherd/server"
@@ -35,9 +36,10 @@ const (
 	compProvisioner = "provisioner"
 	compInitializer = "initializer"
 	compRecoverer   = "recoverer"
+	compUpdater     = "updater"
 )
 
-var allComponents = []string{compServer, compProvisioner, compInitializer, compRecoverer}
+var allComponents = []string{compServer, compProvisioner, compInitializer, compRecoverer, compUpdater}
 
 // providers is the registry of providers this binary knows: adding one is a
 // package of its own and one line here.
@@ -45,6 +47,7 @@ func providers() *provider.Registry {
 	r := provider.NewRegistry()
 	r.Add("static", static.Factory)
 	r.Add("sim", sim.Factory)
+	r.Add(equinix.Name, equinix.Factory)
 	return r
 }
 
@@ -54,6 +57,9 @@ type stackConfig struct {
 
 	Provider       string // registry name
 	ProviderConfig []byte // the provider's YAML configuration
+	// Providers is the registry Provider is looked up in; nil means the
+	// registry of every provider (`shepherd dev` swaps in its own).
+	Providers *provider.Registry
 
 	Server        server.Config
 	MetricsListen string
@@ -71,6 +77,7 @@ type stackConfig struct {
 	Initializer manager.InitializerConfig
 	Recoverer   manager.RecovererConfig
 	Provisioner manager.ProvisionerConfig
+	Updater     manager.UpdaterConfig
 }
 
 // stack is a running set of components sharing one BMDB, registry, logger
@@ -151,7 +158,7 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		g.Go(func() error { return named(compServer, srv.Run(gctx)) })
 	}
 
-	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer)
+	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer) || has(compUpdater)
 	if !needProvider {
 		if ready != nil {
 			ready(s)
@@ -159,7 +166,7 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		return waitStack(ctx, g)
 	}
 	if cfg.Provider == "" {
-		return errors.New("--provider is required for the provisioner, initializer and recoverer")
+		return errors.New("--provider is required for the provisioner, initializer, recoverer and updater")
 	}
 	signer, err := sshx.LoadOrCreateKey(cfg.SSHKeyFile)
 	if err != nil {
@@ -178,7 +185,11 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		SSHSigner:  signer,
 		SSHUser:    cfg.SSHUser,
 	}
-	p, err := providers().New(ctx, cfg.Provider, env, cfg.ProviderConfig)
+	registry := cfg.Providers
+	if registry == nil {
+		registry = providers()
+	}
+	p, err := registry.New(ctx, cfg.Provider, env, cfg.ProviderConfig)
 	if err != nil {
 		return err
 	}
@@ -226,6 +237,18 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 			return err
 		}
 		g.Go(func() error { return named(compRecoverer, rc.Run(gctx)) })
+	}
+	if has(compUpdater) {
+		uc := cfg.Updater
+		// One --suspect-fraction judges listings for both components.
+		if uc.SuspectFraction == 0 {
+			uc.SuspectFraction = cfg.Provisioner.SuspectFraction
+		}
+		up, err := manager.NewUpdater(uc, s.db, p, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compUpdater, up.Run(gctx)) })
 	}
 	if ready != nil {
 		ready(s)

@@ -1,0 +1,47 @@
+package bmdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/bmdb/model"
+)
+
+// ExplainUpdateProvided returns the plan of the statement UpdateProvided
+// sends for updates, without running it.
+func (db *DB) ExplainUpdateProvided(ctx context.Context, provider string, updates []ProvidedUpdate) (string, error) {
+	return db.explainCaptured(ctx, func(q *model.Queries) error {
+		_, err := (&Tx{q: q}).UpdateProvided(ctx, provider, updates)
+		return err
+	})
+}
+
+// ExplainProviderHasStatus returns the plan of the statement
+// ProviderHasStatus sends, without running it.
+func (db *DB) ExplainProviderHasStatus(ctx context.Context, provider string, statuses ...ProviderStatus) (string, error) {
+	return db.explainCaptured(ctx, func(q *model.Queries) error {
+		_, err := (&DB{q: q}).ProviderHasStatus(ctx, provider, statuses...)
+		return err
+	})
+}
+
+// explainCaptured captures the statement run sends and explains it.
+func (db *DB) explainCaptured(ctx context.Context, run func(q *model.Queries) error) (string, error) {
+	var capt capturedQuery
+	if err := run(model.New(&capt)); !errors.Is(err, errCaptured) {
+		return "", fmt.Errorf("capturing the statement: %v", err)
+	}
+	rows, err := db.pool.Query(ctx, "EXPLAIN "+capt.sql, capt.args...)
+	if err != nil {
+		return "", err
+	}
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", err
+	}
+	return strings.Join(lines, "\n"), nil
+}

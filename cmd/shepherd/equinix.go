@@ -1,0 +1,259 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/shepherd/shepherd/provider/equinix"
+	"github.com/shepherd/shepherd/provider/equinix/metal"
+)
+
+// equinixCLI is what every `shepherd equinix` command shares: the provider
+// configuration file (the one `shepherd run --provider equinix` reads, so
+// the CLI keeps the same request budget and sees the same project) and the
+// confirmation switch of destructive commands.
+type equinixCLI struct {
+	configPath string
+	yes        bool
+	in         io.Reader // answers to confirmation prompts
+}
+
+func (e *equinixCLI) open() (*metal.Client, equinix.Config, error) {
+	if e.configPath == "" {
+		return nil, equinix.Config{}, errors.New("--config is required: the equinix provider's YAML configuration")
+	}
+	data, err := os.ReadFile(e.configPath)
+	if err != nil {
+		return nil, equinix.Config{}, err
+	}
+	fc, err := equinix.ParseConfig(data, nil)
+	if err != nil {
+		return nil, equinix.Config{}, fmt.Errorf("%s: %w", e.configPath, err)
+	}
+	c, err := metal.New(fc.Client)
+	if err != nil {
+		return nil, equinix.Config{}, err
+	}
+	return c, fc.Provider, nil
+}
+
+// confirm asks before a destructive action unless --yes was given.
+func (e *equinixCLI) confirm(cmd *cobra.Command, what string) error {
+	if e.yes {
+		return nil
+	}
+	fmt.Fprintf(cmd.ErrOrStderr(), "%s\nProceed? [y/N] ", what)
+	line, _ := bufio.NewReader(e.in).ReadString('\n')
+	if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+		return errors.New("not confirmed; nothing changed (pass --yes to skip the question)")
+	}
+	return nil
+}
+
+// bulk runs fn for every id, printing progress, and reports how many
+// failed; one failure does not stop the others.
+func bulk(cmd *cobra.Command, verb string, ids []string, fn func(ctx context.Context, id string) error) error {
+	failed := 0
+	for i, id := range ids {
+		err := fn(cmd.Context(), id)
+		status := "ok"
+		if err != nil {
+			status = "FAILED: " + err.Error()
+			failed++
+		}
+		fmt.Fprintf(cmd.ErrOrStderr(), "[%d/%d] %s %s: %s\n", i+1, len(ids), verb, id, status)
+		if cmd.Context().Err() != nil {
+			return cmd.Context().Err()
+		}
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d of %d %s failed", failed, len(ids), verb)
+	}
+	return nil
+}
+
+func newEquinixCommand() *cobra.Command {
+	e := &equinixCLI{}
+	cmd := &cobra.Command{
+		Use:   "equinix",
+		Short: "Operate on the Equinix Metal project of the equinix provider",
+		Long: "Lists and acts on the devices and hardware reservations of the project named in the\n" +
+			"equinix provider's configuration (--config), with its token and request budget.",
+	}
+	cmd.PersistentFlags().StringVar(&e.configPath, "config", "", "the equinix provider's YAML configuration (required)")
+	cmd.PersistentFlags().BoolVarP(&e.yes, "yes", "y", false, "do not ask before destructive actions")
+
+	devices := &cobra.Command{Use: "devices", Short: "List, delete and reboot devices"}
+	devices.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List the project's devices (ours are those with the provider's hostname prefix)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, cfg, err := e.open()
+			if err != nil {
+				return err
+			}
+			ds, err := c.ListDevices(cmd.Context(), cfg.Project)
+			if err != nil {
+				return err
+			}
+			prefix := cfg.Prefix
+			if prefix == "" {
+				prefix = "shepherd-"
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "ID\tHOSTNAME\tSTATE\tOURS\tIP\tRESERVATION\tMETRO")
+			for _, d := range ds {
+				ip, _ := d.PublicIPv4()
+				res := ""
+				if d.HardwareReservation != nil {
+					res = d.HardwareReservation.ID
+				}
+				ipText := ""
+				if ip.IsValid() {
+					ipText = ip.String()
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%s\t%s\t%s\n", d.ID, d.Hostname, d.State, strings.HasPrefix(d.Hostname, prefix), ipText, res, d.Metro.Code)
+			}
+			return w.Flush()
+		},
+	})
+	// deviceAction is a destructive command on the devices named.
+	deviceAction := func(verb, short string, act func(c *metal.Client) func(ctx context.Context, id string) error) *cobra.Command {
+		return &cobra.Command{
+			Use:   verb + " ID...",
+			Short: short,
+			Args:  cobra.MinimumNArgs(1),
+			RunE: func(cmd *cobra.Command, ids []string) error {
+				c, _, err := e.open()
+				if err != nil {
+					return err
+				}
+				e.in = cmd.InOrStdin()
+				if err := e.confirm(cmd, fmt.Sprintf("%s %d device(s): %s?", verb, len(ids), strings.Join(ids, ", "))); err != nil {
+					return err
+				}
+				return bulk(cmd, verb, ids, act(c))
+			},
+		}
+	}
+	devices.AddCommand(
+		deviceAction("delete", "Delete devices (their reservations become free capacity)",
+			func(c *metal.Client) func(context.Context, string) error { return c.DeleteDevice }),
+		deviceAction("reboot", "Reboot devices",
+			func(c *metal.Client) func(context.Context, string) error { return c.RebootDevice }),
+	)
+
+	reservations := &cobra.Command{Use: "reservations", Short: "List and move hardware reservations"}
+	reservations.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List the project's hardware reservations",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, cfg, err := e.open()
+			if err != nil {
+				return err
+			}
+			rs, err := c.ListHardwareReservations(cmd.Context(), cfg.Project)
+			if err != nil {
+				return err
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "ID\tPLAN\tMETRO\tPROVISIONABLE\tSPARE\tDEVICE")
+			for _, r := range rs {
+				dev := ""
+				if r.Device != nil {
+					dev = r.Device.ID
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%v\t%s\n", r.ID, r.Plan.Slug, r.Metro.Code, r.Provisionable, r.Spare, dev)
+			}
+			return w.Flush()
+		},
+	})
+	var moveTo string
+	move := &cobra.Command{
+		Use:   "move ID...",
+		Short: "Move hardware reservations (without devices) to another project",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, ids []string) error {
+			if moveTo == "" {
+				return errors.New("--to is required: the project to move the reservations to")
+			}
+			c, _, err := e.open()
+			if err != nil {
+				return err
+			}
+			e.in = cmd.InOrStdin()
+			if err := e.confirm(cmd, fmt.Sprintf("Move %d reservation(s) to project %s?", len(ids), moveTo)); err != nil {
+				return err
+			}
+			return bulk(cmd, "move", ids, func(ctx context.Context, id string) error {
+				_, err := c.MoveHardwareReservation(ctx, id, moveTo)
+				return err
+			})
+		},
+	}
+	move.Flags().StringVar(&moveTo, "to", "", "destination project id (required)")
+	reservations.AddCommand(move)
+
+	var yoinkFrom string
+	var yoinkCount int
+	yoink := &cobra.Command{
+		Use:   "yoink",
+		Short: "Move free reservations from another project into the provider's project",
+		Long: "Moves provisionable hardware reservations that have no device from --from into the\n" +
+			"project of the configuration, at most --count of them (0: all), so that the provider\n" +
+			"can use them as capacity.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if yoinkFrom == "" {
+				return errors.New("--from is required: the project to take reservations from")
+			}
+			if yoinkCount < 0 {
+				return fmt.Errorf("--count must be >= 0, got %d", yoinkCount)
+			}
+			c, cfg, err := e.open()
+			if err != nil {
+				return err
+			}
+			if yoinkFrom == cfg.Project {
+				return fmt.Errorf("--from %s is the configured project already", yoinkFrom)
+			}
+			rs, err := c.ListHardwareReservations(cmd.Context(), yoinkFrom)
+			if err != nil {
+				return err
+			}
+			var ids []string
+			for _, r := range rs {
+				if r.Device == nil && r.Provisionable && !r.Spare && (yoinkCount == 0 || len(ids) < yoinkCount) {
+					ids = append(ids, r.ID)
+				}
+			}
+			if len(ids) == 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "project %s has no free reservations\n", yoinkFrom)
+				return nil
+			}
+			e.in = cmd.InOrStdin()
+			if err := e.confirm(cmd, fmt.Sprintf("Move %d free reservation(s) from project %s to %s?", len(ids), yoinkFrom, cfg.Project)); err != nil {
+				return err
+			}
+			return bulk(cmd, "move", ids, func(ctx context.Context, id string) error {
+				_, err := c.MoveHardwareReservation(ctx, id, cfg.Project)
+				return err
+			})
+		},
+	}
+	yoink.Flags().StringVar(&yoinkFrom, "from", "", "project to take free reservations from (required)")
+	yoink.Flags().IntVar(&yoinkCount, "count", 0, "how many reservations to move at most (0: all free ones)")
+
+	cmd.AddCommand(devices, reservations, yoink)
+	return cmd
+}

@@ -1,0 +1,125 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
+)
+
+// runIn runs the shepherd command with stdin.
+func runIn(t *testing.T, stdin string, args ...string) (string, error) {
+	t.Helper()
+	cmd := newRootCommand()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&out)
+	cmd.SetIn(strings.NewReader(stdin))
+	cmd.SetArgs(args)
+	err := cmd.ExecuteContext(t.Context())
+	return out.String(), err
+}
+
+func TestEquinixCLI(t *testing.T) {
+	t.Parallel()
+	const token = "cli-token-never-printed"
+	fake, err := fakemetal.New(fakemetal.Config{Token: token, Budget: 50, Burst: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fake.AddProject("ours")
+	fake.AddProject("spare")
+	res := fake.AddReservations("ours", "c3.small.x86", "fr2", "fr", 2)
+	fake.AddReservations("spare", "c3.small.x86", "fr2", "fr", 3)
+	dev := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active", ReservationID: res[0]})
+	fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-1", State: "active"})
+	srv := httptest.NewServer(fake)
+	t.Cleanup(srv.Close)
+	dir := t.TempDir()
+	tokenFile, cfg := filepath.Join(dir, "token"), filepath.Join(dir, "equinix.yaml")
+	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cfg, fmt.Appendf(nil, "project: ours\napi_url: %s/metal/v1\ntoken_file: %s\noperating_system: ubuntu_22_04\n", srv.URL, tokenFile), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var all strings.Builder
+	cli := func(stdin string, args ...string) (string, error) {
+		t.Helper()
+		out, err := runIn(t, stdin, append([]string{"equinix", "--config", cfg}, args...)...)
+		all.WriteString(out)
+		if err != nil {
+			all.WriteString(err.Error())
+		}
+		return out, err
+	}
+
+	out, err := cli("", "devices", "list")
+	if err != nil || !strings.Contains(out, "shepherd-a1") || !strings.Contains(out, "db-1") {
+		t.Fatalf("devices list: %v\n%s", err, out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, "db-1") && !strings.Contains(line, "false") || strings.Contains(line, "shepherd-a1") && !strings.Contains(line, "true") {
+			t.Errorf("devices list marks ownership wrongly: %q", line)
+		}
+	}
+	out, err = cli("", "reservations", "list")
+	if err != nil || !strings.Contains(out, res[0]) || !strings.Contains(out, dev) || !strings.Contains(out, res[1]) {
+		t.Fatalf("reservations list: %v\n%s", err, out)
+	}
+
+	// Destructive commands ask; "n" changes nothing.
+	if _, err := cli("n\n", "devices", "reboot", dev); err == nil || !strings.Contains(err.Error(), "not confirmed") {
+		t.Errorf("reboot answered n: %v", err)
+	}
+	if n := fake.Reboots(dev); n != 0 {
+		t.Errorf("a refused reboot was sent (%d)", n)
+	}
+	if out, err := cli("y\n", "devices", "reboot", dev); err != nil || !strings.Contains(out, "[1/1] reboot "+dev+": ok") {
+		t.Errorf("reboot answered y: %v\n%s", err, out)
+	}
+	if n := fake.Reboots(dev); n != 1 {
+		t.Errorf("reboots after a confirmed reboot: %d, want 1", n)
+	}
+	// A bulk action goes on past a failure and says which failed.
+	out, err = cli("", "--yes", "devices", "delete", "no-such-device", dev)
+	if err == nil || !strings.Contains(out, "[1/2] delete no-such-device: FAILED") || !strings.Contains(out, "[2/2] delete "+dev+": ok") {
+		t.Errorf("bulk delete: %v\n%s", err, out)
+	}
+	if _, ok := fake.Device(dev); ok {
+		t.Error("the device still exists after delete")
+	}
+
+	// yoink moves the free reservations of another project into ours.
+	out, err = cli("", "yoink", "--from", "spare", "--count", "2", "--yes")
+	if err != nil || strings.Count(out, ": ok") != 2 {
+		t.Fatalf("yoink: %v\n%s", err, out)
+	}
+	if got := len(fake.Reservations("ours")); got != 4 {
+		t.Errorf("our project has %d reservations after yoinking 2, want 4", got)
+	}
+	if _, err := cli("", "reservations", "move", res[1]); err == nil || !strings.Contains(err.Error(), "--to is required") {
+		t.Errorf("move without --to: %v", err)
+	}
+	if _, err := cli("", "--yes", "reservations", "move", res[1], "--to", "spare"); err != nil {
+		t.Errorf("move: %v", err)
+	}
+	if got := len(fake.Reservations("spare")); got != 2 {
+		t.Errorf("the spare project has %d reservations, want 2", got)
+	}
+
+	if strings.Contains(all.String(), token) {
+		t.Error("the API token appears in the CLI's output")
+	}
+	if v := fake.Check(); len(v) > 0 {
+		t.Errorf("the CLI broke the API's rate limit: %v", v)
+	}
+	if _, err := runIn(t, "", "equinix", "devices", "list"); err == nil || !strings.Contains(err.Error(), "--config is required") {
+		t.Errorf("without --config: %v", err)
+	}
+}
