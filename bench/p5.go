@@ -27,7 +27,7 @@ const (
 	p5Interval = 30 * time.Second
 	// p5Measure is how long RSS is watched once every agent heartbeats:
 	// a few heartbeat intervals and provisioner passes.
-	p5Measure = 3 * p5Interval
+	p5Measure = 2 * p5Interval
 	// p5Mode is the first argument that makes the bench binary the
 	// all-in-one process P5 measures.
 	p5Mode = "p5-allinone"
