@@ -18,7 +18,7 @@ PROTOC_GEN_CONNECT_GO := $(TOOLS)/protoc-gen-connect-go-$(PROTOC_GEN_CONNECT_GO_
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test fuzz generate generate-check lint bench dev tools require-postgres require-sshd
+.PHONY: all build test fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool
 
 all: build
 
@@ -34,6 +34,12 @@ require-postgres:
 require-sshd:
 	@scripts/require-sshd
 
+require-chromium:
+	@scripts/require-chromium
+
+require-promtool:
+	@scripts/require-promtool
+
 # Fuzz targets of the parsers of external input (SPEC §8 R9), each run for
 # FUZZTIME by `make test`; run longer with e.g. `make fuzz FUZZTIME=10m`.
 FUZZTIME ?= 5s
@@ -47,7 +53,7 @@ FUZZ_TARGETS := \
 
 # sshd is installed first, so the SSH end-to-end tests must use it: a
 # missing sshd fails them rather than falling back to the in-process server.
-test: require-postgres require-sshd
+test: require-postgres require-sshd require-chromium require-promtool
 	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 ./...
 	$(MAKE) --no-print-directory fuzz
 

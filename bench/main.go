@@ -38,6 +38,7 @@ var figures = []figure{
 	{"P4", benchTakeover},
 	{"P5", benchMemory},
 	{"P6", benchSilenceToReboot},
+	{"P7", benchUIRender},
 }
 
 // env is what every figure gets: the shared server and a way to get a fresh

@@ -57,4 +57,7 @@ const (
 	EventExpired     Event = "Expired"
 	EventQuarantined Event = "Quarantined"
 	EventReset       Event = "Reset"
+	// EventRequested records an operator's request (decommission, OS
+	// installation); it starts no work by itself.
+	EventRequested Event = "Requested"
 )

@@ -117,6 +117,13 @@ func (t *Tx) RequestInstallation(ctx context.Context, machine uuid.UUID, request
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: requesting installation on machine %s: %w", machine, err)
 	}
+	err = t.q.HistoryRequested(ctx, model.HistoryRequestedParams{
+		MachineID: machine, Process: string(ProcessReinstall),
+		Cause: fmt.Sprintf("OS installation generation %d requested", gen),
+	})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: recording the installation request of machine %s in history: %w", machine, err)
+	}
 	return gen, nil
 }
 
@@ -143,11 +150,22 @@ func (t *Tx) ReportInstallation(ctx context.Context, machine uuid.UUID, r Instal
 }
 
 // RequestDecommission records that an operator (by) asked for the machine to
-// leave the fleet, and why. Asking again changes nothing.
+// leave the fleet, and why, with a Requested history row. Asking again
+// changes nothing.
 func (t *Tx) RequestDecommission(ctx context.Context, machine uuid.UUID, by, reason string) error {
-	err := t.q.DecommissionRequestSet(ctx, model.DecommissionRequestSetParams{MachineID: machine, RequestedBy: by, Reason: reason})
+	n, err := t.q.DecommissionRequestSet(ctx, model.DecommissionRequestSetParams{MachineID: machine, RequestedBy: by, Reason: reason})
 	if err != nil {
 		return fmt.Errorf("bmdb: requesting decommission of machine %s: %w", machine, err)
+	}
+	if n == 0 {
+		return nil
+	}
+	err = t.q.HistoryRequested(ctx, model.HistoryRequestedParams{
+		MachineID: machine, Process: string(ProcessDecommission),
+		Cause: fmt.Sprintf("decommission requested by %s: %s", by, reason),
+	})
+	if err != nil {
+		return fmt.Errorf("bmdb: recording the decommission request of machine %s in history: %w", machine, err)
 	}
 	return nil
 }

@@ -136,6 +136,9 @@ type PassResult struct {
 	Created, Adopted       int
 	MarkedMissing, Found   int
 	Foreign, FailedCreates int
+	// Decommissioned counts listed machines left alone because a
+	// decommissioned machine had their provider id.
+	Decommissioned int
 }
 
 // Pass makes one reconcile pass under s, holding the provider's
@@ -176,6 +179,14 @@ func (pr *Provisioner) pass(ctx context.Context, s *bmdb.Session) (PassResult, e
 		return res, err
 	}
 	known, inBMDB := l.known, l.inBMDB
+	// Provider ids of decommissioned machines never come back into the
+	// fleet (SPEC §3.8), whatever the listing says of them. Read after the
+	// BMDB's machines, so that a machine decommissioned meanwhile is among
+	// the one or the other.
+	retired, err := pr.db.DecommissionedProviderIDs(ctx, pr.p.Name())
+	if err != nil {
+		return res, err
+	}
 
 	// Machines the BMDB has and the listing lacks become Missing, unless so
 	// many do that the listing is not believed.
@@ -196,6 +207,10 @@ func (pr *Provisioner) pass(ctx context.Context, s *bmdb.Session) (PassResult, e
 	var adopt, capacity []provider.Machine
 	for _, m := range l.machines {
 		if _, ok := inBMDB[m.ID()]; ok {
+			continue
+		}
+		if _, ok := retired[m.ID()]; ok {
+			res.Decommissioned++
 			continue
 		}
 		switch m.Availability() {

@@ -80,10 +80,7 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 	if !ok {
 		return nil, fmt.Errorf("recoverer: provider %s cannot reboot machines", p.Name())
 	}
-	cfg.FirstHeartbeatTimeout = cmp.Or(cfg.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
-	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
-	cfg.Window = cmp.Or(cfg.Window, 10*time.Minute)
-	cfg.SilentFraction = cmp.Or(cfg.SilentFraction, 0.25)
+	cfg = cfg.withBreakerDefaults()
 	cfg.RebootTimeout = cmp.Or(cfg.RebootTimeout, 5*time.Minute)
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.RecoveryBackoff()
@@ -233,29 +230,11 @@ func (b *breaker) refresh(ctx context.Context, force bool) error {
 		return nil
 	}
 	rc := b.rc
-	provided, started, err := rc.db.ProviderAgentCounts(ctx, rc.p.Name())
+	st, err := ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
 	if err != nil {
 		return err
 	}
-	silent, err := rc.db.CountMatching(ctx, rc.candidates())
-	if err != nil {
-		return err
-	}
-	reboots, err := rc.db.RecoveryReboots(ctx, rc.p.Name(), rc.cfg.Window)
-	if err != nil {
-		return err
-	}
-	max := int64(rc.cfg.MaxRebootsPerWindow)
-	if max == 0 {
-		max = int64(math.Max(1, math.Floor(0.05*float64(provided))))
-	}
-	paused := ""
-	switch {
-	case started > 0 && float64(silent) > rc.cfg.SilentFraction*float64(started):
-		paused = "silent_fraction"
-	case reboots >= max:
-		paused = "reboot_budget"
-	}
+	silent, started, reboots, max, paused := st.Silent, st.Started, st.RebootsInWindow, st.Budget, st.Paused
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.checkedAt, b.max = time.Now(), max
@@ -277,4 +256,60 @@ func (b *breaker) refresh(ctx context.Context, force bool) error {
 	}
 	b.paused = paused
 	return nil
+}
+
+// withBreakerDefaults fills in the defaults of the fields that define the
+// breaker and a silent machine.
+func (c RecovererConfig) withBreakerDefaults() RecovererConfig {
+	c.FirstHeartbeatTimeout = cmp.Or(c.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
+	c.HeartbeatTimeout = cmp.Or(c.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
+	c.Window = cmp.Or(c.Window, 10*time.Minute)
+	c.SilentFraction = cmp.Or(c.SilentFraction, 0.25)
+	return c
+}
+
+// BreakerState is the circuit breaker of one provider's fleet (SPEC §3.4).
+type BreakerState struct {
+	// Provided counts the provider's machines; Started those whose agent
+	// was started (and not installed); Silent the recovery candidates.
+	Provided, Started, Silent int64
+	// SilentFraction is the threshold: above it no machine is rebooted.
+	SilentFraction float64
+	// RebootsInWindow were issued (or are in flight) within Window; Budget
+	// is the most the window allows.
+	RebootsInWindow, Budget int64
+	Window                  time.Duration
+	// Paused is "" while reboots are allowed, else the reason they are held
+	// back: "silent_fraction" or "reboot_budget".
+	Paused string
+}
+
+// ReadBreaker computes the breaker of provider's fleet from the BMDB with
+// cfg's thresholds (zero fields: the defaults), exactly as every recoverer
+// does before a reboot; it changes nothing. The web UI shows it, also in
+// processes that run no recoverer.
+func ReadBreaker(ctx context.Context, db *bmdb.DB, provider string, cfg RecovererConfig) (BreakerState, error) {
+	cfg = cfg.withBreakerDefaults()
+	st := BreakerState{SilentFraction: cfg.SilentFraction, Window: cfg.Window}
+	var err error
+	if st.Provided, st.Started, err = db.ProviderAgentCounts(ctx, provider); err != nil {
+		return st, err
+	}
+	if st.Silent, err = db.CountMatching(ctx, bmdb.RecoveryCandidates(provider, cfg.FirstHeartbeatTimeout, cfg.HeartbeatTimeout)); err != nil {
+		return st, err
+	}
+	if st.RebootsInWindow, err = db.RecoveryReboots(ctx, provider, cfg.Window); err != nil {
+		return st, err
+	}
+	st.Budget = int64(cfg.MaxRebootsPerWindow)
+	if st.Budget == 0 {
+		st.Budget = int64(math.Max(1, math.Floor(0.05*float64(st.Provided))))
+	}
+	switch {
+	case st.Started > 0 && float64(st.Silent) > cfg.SilentFraction*float64(st.Started):
+		st.Paused = "silent_fraction"
+	case st.RebootsInWindow >= st.Budget:
+		st.Paused = "reboot_budget"
+	}
+	return st, nil
 }

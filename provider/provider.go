@@ -128,6 +128,18 @@ type Recoverer interface {
 	ReinstallMachine(ctx context.Context, id string) error
 }
 
+// Releaser is implemented by providers that can give a machine back (delete
+// a cloud device, free a simulated slot); the decommissioner (SPEC §3.8)
+// asks them to. Providers that cannot (a static inventory of servers
+// Shepherd does not own) do not implement it: their machines are only
+// forgotten.
+type Releaser interface {
+	// ReleaseMachine gives the machine back to the provider and stops
+	// whatever runs on it. It is idempotent: releasing a machine that is
+	// released already returns nil or an error wrapping ErrNotFound.
+	ReleaseMachine(ctx context.Context, id string) error
+}
+
 // SSHAccess says how to reach a machine's SSH server when Addr and the
 // initializer's own user and key are not enough.
 type SSHAccess struct {

@@ -290,6 +290,277 @@ func (q *Queries) ClaimAgentStartCandidatePlain(ctx context.Context, arg ClaimAg
 	return i, err
 }
 
+const claimDecommissionCandidate = `-- name: ClaimDecommissionCandidate :one
+WITH candidate AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $2
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+        ORDER BY c.since
+        LIMIT $4::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, $2, $3::boolean, $5
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+`
+
+type ClaimDecommissionCandidateParams struct {
+	Provider  string
+	Process   string
+	Exclusive bool
+	ScanLimit int32
+	SessionID uuid.UUID
+}
+
+type ClaimDecommissionCandidateRow struct {
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
+}
+
+// ClaimDecommissionCandidate claims the oldest free candidate for the process
+// under the session, in one statement. It locks the machine_provided row of
+// the candidate, skipping rows other claimers hold, so that concurrent
+// workers spread over the candidates instead of queueing on the first; and it
+// locks the row only if its revision is still the one the snapshot read, so a
+// machine someone claimed (and maybe finished) since the snapshot was taken
+// is skipped, not handed out again. It moves the revision, expires work of
+// dead sessions on the machine (history Expired, naming the dead session),
+// inserts the work row and writes history Started. The primary key and
+// work_machine_exclusive keep the work unique even if all that was not
+// enough, and the foreign key to processes checks the exclusive flag the
+// caller passes. It returns the machine's Provided tag as the claim saw
+// it, which saves the worker a round trip. No row means nothing to do or a
+// dead session; a row without claimed_id means the insert lost a race.
+func (q *Queries) ClaimDecommissionCandidate(ctx context.Context, arg ClaimDecommissionCandidateParams) (ClaimDecommissionCandidateRow, error) {
+	row := q.db.QueryRow(ctx, claimDecommissionCandidate,
+		arg.Provider,
+		arg.Process,
+		arg.Exclusive,
+		arg.ScanLimit,
+		arg.SessionID,
+	)
+	var i ClaimDecommissionCandidateRow
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
+	return i, err
+}
+
+const claimDecommissionCandidatePlain = `-- name: ClaimDecommissionCandidatePlain :one
+WITH candidate AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $2
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, $2, $3::boolean, $4
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+`
+
+type ClaimDecommissionCandidatePlainParams struct {
+	Provider  string
+	Process   string
+	Exclusive bool
+	SessionID uuid.UUID
+}
+
+type ClaimDecommissionCandidatePlainRow struct {
+	CandidateID           uuid.UUID
+	ClaimedID             uuid.NullUUID
+	ExpiredCount          int64
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderIPAddress     *netip.Addr
+	ProviderLocation      string
+	ProviderStatus        string
+	ProviderStatusAt      *time.Time
+	AgentPhase            string
+}
+
+// ClaimDecommissionCandidatePlain is the baseline the benchmark compares
+// ClaimDecommissionCandidate against: the oldest candidate, locked with a plain
+// FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+func (q *Queries) ClaimDecommissionCandidatePlain(ctx context.Context, arg ClaimDecommissionCandidatePlainParams) (ClaimDecommissionCandidatePlainRow, error) {
+	row := q.db.QueryRow(ctx, claimDecommissionCandidatePlain,
+		arg.Provider,
+		arg.Process,
+		arg.Exclusive,
+		arg.SessionID,
+	)
+	var i ClaimDecommissionCandidatePlainRow
+	err := row.Scan(
+		&i.CandidateID,
+		&i.ClaimedID,
+		&i.ExpiredCount,
+		&i.Provider,
+		&i.ProviderID,
+		&i.ProviderReservationID,
+		&i.ProviderIPAddress,
+		&i.ProviderLocation,
+		&i.ProviderStatus,
+		&i.ProviderStatusAt,
+		&i.AgentPhase,
+	)
+	return i, err
+}
+
 const claimRecoveryCandidate = `-- name: ClaimRecoveryCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
@@ -655,6 +926,64 @@ func (q *Queries) CountAgentStartMatching(ctx context.Context, provider string) 
 	return count, err
 }
 
+const countDecommissionCandidates = `-- name: CountDecommissionCandidates :one
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+) c
+WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $2
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+`
+
+type CountDecommissionCandidatesParams struct {
+	Provider  string
+	Process   string
+	Exclusive bool
+}
+
+func (q *Queries) CountDecommissionCandidates(ctx context.Context, arg CountDecommissionCandidatesParams) (int64, error) {
+	row := q.db.QueryRow(ctx, countDecommissionCandidates, arg.Provider, arg.Process, arg.Exclusive)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
+const countDecommissionMatching = `-- name: CountDecommissionMatching :one
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+) c
+`
+
+// CountDecommissionMatching counts the machines the definition selects by
+// their tags alone, whatever works on them or waits in backoff (the
+// recoverer's circuit breaker looks at how many machines are silent, not at
+// how many it could work on).
+func (q *Queries) CountDecommissionMatching(ctx context.Context, provider string) (int64, error) {
+	row := q.db.QueryRow(ctx, countDecommissionMatching, provider)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const countRecoveryCandidates = `-- name: CountRecoveryCandidates :one
 SELECT count(*)
 FROM (
@@ -796,6 +1125,70 @@ type ListAgentStartCandidatesParams struct {
 // off for minutes.
 func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentStartCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listAgentStartCandidates,
+		arg.Provider,
+		arg.Process,
+		arg.Exclusive,
+		arg.RowLimit,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []uuid.UUID{}
+	for rows.Next() {
+		var machine_id uuid.UUID
+		if err := rows.Scan(&machine_id); err != nil {
+			return nil, err
+		}
+		items = append(items, machine_id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const listDecommissionCandidates = `-- name: ListDecommissionCandidates :many
+SELECT c.machine_id
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+) c
+WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = $2
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+ORDER BY c.since
+LIMIT $4::integer
+`
+
+type ListDecommissionCandidatesParams struct {
+	Provider  string
+	Process   string
+	Exclusive bool
+	RowLimit  int32
+}
+
+// Decommission: provided machines an operator asked to decommission, oldest
+// request first. This is the one candidate query that does not exclude
+// machines with a decommission request: they are what it selects. It reads
+// machine_decommission_request, which holds only open requests (the
+// decommissioner deletes each one with the machine's other tags), and
+// joins each request to its machine by primary key.
+func (q *Queries) ListDecommissionCandidates(ctx context.Context, arg ListDecommissionCandidatesParams) ([]uuid.UUID, error) {
+	rows, err := q.db.Query(ctx, listDecommissionCandidates,
 		arg.Provider,
 		arg.Process,
 		arg.Exclusive,

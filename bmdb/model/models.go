@@ -11,6 +11,18 @@ import (
 	"github.com/google/uuid"
 )
 
+type DecommissionedMachine struct {
+	MachineID             uuid.UUID
+	Provider              string
+	ProviderID            string
+	ProviderReservationID string
+	ProviderLocation      string
+	RequestedAt           *time.Time
+	RequestedBy           string
+	Reason                string
+	Released              bool
+}
+
 type Machine struct {
 	MachineID        uuid.UUID
 	CreatedAt        time.Time

@@ -82,7 +82,7 @@ func (q *Queries) AgentStartedSet(ctx context.Context, arg AgentStartedSetParams
 	return err
 }
 
-const decommissionRequestSet = `-- name: DecommissionRequestSet :exec
+const decommissionRequestSet = `-- name: DecommissionRequestSet :execrows
 INSERT INTO machine_decommission_request (machine_id, requested_by, reason)
 VALUES ($1, $2, $3)
 ON CONFLICT (machine_id) DO NOTHING
@@ -94,8 +94,28 @@ type DecommissionRequestSetParams struct {
 	Reason      string
 }
 
-func (q *Queries) DecommissionRequestSet(ctx context.Context, arg DecommissionRequestSetParams) error {
-	_, err := q.db.Exec(ctx, decommissionRequestSet, arg.MachineID, arg.RequestedBy, arg.Reason)
+func (q *Queries) DecommissionRequestSet(ctx context.Context, arg DecommissionRequestSetParams) (int64, error) {
+	result, err := q.db.Exec(ctx, decommissionRequestSet, arg.MachineID, arg.RequestedBy, arg.Reason)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const historyRequested = `-- name: HistoryRequested :exec
+INSERT INTO work_history (machine_id, process, event, cause)
+VALUES ($1, $2, 'Requested', $3)
+`
+
+type HistoryRequestedParams struct {
+	MachineID uuid.UUID
+	Process   string
+	Cause     string
+}
+
+// HistoryRequested records an operator's request in the machine's history.
+func (q *Queries) HistoryRequested(ctx context.Context, arg HistoryRequestedParams) error {
+	_, err := q.db.Exec(ctx, historyRequested, arg.MachineID, arg.Process, arg.Cause)
 	return err
 }
 

@@ -258,6 +258,250 @@ FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 
+-- name: ListDecommissionCandidates :many
+-- Decommission: provided machines an operator asked to decommission, oldest
+-- request first. This is the one candidate query that does not exclude
+-- machines with a decommission request: they are what it selects. It reads
+-- machine_decommission_request, which holds only open requests (the
+-- decommissioner deletes each one with the machine's other tags), and
+-- joins each request to its machine by primary key.
+SELECT c.machine_id
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+) c
+WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+ORDER BY c.since
+LIMIT @row_limit::integer;
+
+-- name: CountDecommissionCandidates :one
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+) c
+WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL));
+
+-- name: CountDecommissionMatching :one
+-- CountDecommissionMatching counts the machines the definition selects by
+-- their tags alone, whatever works on them or waits in backoff (the
+-- recoverer's circuit breaker looks at how many machines are silent, not at
+-- how many it could work on).
+SELECT count(*)
+FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+) c;
+
+-- name: ClaimDecommissionCandidate :one
+-- ClaimDecommissionCandidate claims the oldest free candidate for the process
+-- under the session, in one statement. It locks the machine_provided row of
+-- the candidate, skipping rows other claimers hold, so that concurrent
+-- workers spread over the candidates instead of queueing on the first; and it
+-- locks the row only if its revision is still the one the snapshot read, so a
+-- machine someone claimed (and maybe finished) since the snapshot was taken
+-- is skipped, not handed out again. It moves the revision, expires work of
+-- dead sessions on the machine (history Expired, naming the dead session),
+-- inserts the work row and writes history Started. The primary key and
+-- work_machine_exclusive keep the work unique even if all that was not
+-- enough, and the foreign key to processes checks the exclusive flag the
+-- caller passes. It returns the machine's Provided tag as the claim saw
+-- it, which saves the worker a round trip. No row means nothing to do or a
+-- dead session; a row without claimed_id means the insert lost a race.
+WITH candidate AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+        ORDER BY c.since
+        LIMIT @scan_limit::integer
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    ORDER BY c.since
+    LIMIT 1
+    FOR UPDATE OF p SKIP LOCKED
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, @process, @exclusive::boolean, @session_id
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+
+-- name: ClaimDecommissionCandidatePlain :one
+-- ClaimDecommissionCandidatePlain is the baseline the benchmark compares
+-- ClaimDecommissionCandidate against: the oldest candidate, locked with a plain
+-- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
+WITH candidate AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+    FROM (
+        SELECT c.machine_id, c.since, seen.revision
+        FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+        ) c
+        JOIN machine_provided seen ON seen.machine_id = c.machine_id
+        WHERE NOT EXISTS (
+        SELECT 1
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL)
+  AND NOT EXISTS (
+        SELECT 1
+        FROM work_backoff b
+        WHERE b.machine_id = c.machine_id
+          AND b.process = @process
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+        ORDER BY c.since
+        LIMIT 1
+    ) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
+    WHERE EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF p
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, @process, @exclusive::boolean, @session_id
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+       c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+       c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
+FROM candidate c
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+
 -- name: ListRecoveryCandidates :many
 -- Recovery: started, not installed machines whose agent is silent, longest
 -- silent first: either no heartbeat arrived within first_heartbeat_timeout of

@@ -63,7 +63,12 @@ SET generation = EXCLUDED.generation,
     os_installation_report_raw = EXCLUDED.os_installation_report_raw,
     reported_at = now();
 
--- name: DecommissionRequestSet :exec
+-- name: DecommissionRequestSet :execrows
 INSERT INTO machine_decommission_request (machine_id, requested_by, reason)
 VALUES (@machine_id, @requested_by, @reason)
 ON CONFLICT (machine_id) DO NOTHING;
+
+-- name: HistoryRequested :exec
+-- HistoryRequested records an operator's request in the machine's history.
+INSERT INTO work_history (machine_id, process, event, cause)
+VALUES (@machine_id, @process, 'Requested', @cause);

@@ -36,8 +36,9 @@ func newDevCommand() *cobra.Command {
 		Use:   "dev",
 		Short: "Run a private PostgreSQL, a simulated fleet and every component, until Ctrl-C",
 		Long: "Zero-setup development mode: starts a private PostgreSQL in --data-dir (kept between runs),\n" +
-			"migrates it, starts the callback server, a simulated fleet and all control loops, and prints\n" +
-			"the fleet's progress. Ctrl-C stops everything, PostgreSQL included.\n\n" +
+			"migrates it, starts the callback server, a simulated fleet, all control loops and the web UI\n" +
+			"(--web-listen; a taken default port falls back to a free one), and prints the fleet's\n" +
+			"progress. Ctrl-C stops everything, PostgreSQL included.\n\n" +
 			"--provider=equinix runs the real Equinix Metal provider against an in-process fake Metal API\n" +
 			"with --machines hardware reservations; simulated machines stand in for the devices.",
 		Args: cobra.NoArgs,
@@ -76,7 +77,9 @@ func newDevCommand() *cobra.Command {
 			}
 			url := pg.URL(devDatabase)
 			fmt.Fprintf(out, "shepherd dev: PostgreSQL running, BMDB at %s\n", url)
-			db, err := bmdb.Open(ctx, bmdb.Config{URL: url, Logger: log})
+			// The BMDB client's metrics join the stack's (SPEC §6).
+			reg := newRegistry()
+			db, err := bmdb.Open(ctx, bmdb.Config{URL: url, Logger: log, Registerer: reg})
 			if err != nil {
 				return err
 			}
@@ -98,9 +101,15 @@ func newDevCommand() *cobra.Command {
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
 			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
 			cfg.Initializer.AgentPath = agent
-			s := &stack{cfg: cfg, db: db, reg: newRegistry(), log: log}
+			// A second dev (or anything else) may hold the default port.
+			// (Changed cannot tell: setting the dev defaults below sets it.)
+			cfg.Web.FallbackPort = cfg.Web.Listen == cmd.Flags().Lookup("web-listen").DefValue
+			s := &stack{cfg: cfg, db: db, reg: reg, log: log}
 			return s.run(ctx, func(s *stack) {
 				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines (provider %s)\n", s.endpoint, machines, kind)
+				if s.webAddr != "" {
+					fmt.Fprintf(out, "shepherd dev: web UI at %s\n", webURL(s.webAddr))
+				}
 				go progress(ctx, out, s, machines)
 			})
 		},
@@ -118,12 +127,14 @@ func newDevCommand() *cobra.Command {
 	// (takeover, silence, recovery) in seconds rather than minutes.
 	for name, v := range map[string]string{
 		"server-listen":           "127.0.0.1:0",
+		"web-listen":              "127.0.0.1:8080",
 		"heartbeat-interval":      "5s",
 		"heartbeat-timeout":       "30s",
 		"first-heartbeat-timeout": "1m",
 		"provisioner-period":      "5s",
 		"updater-changing-period": "2s",
 		"updater-stable-period":   "30s",
+		"janitor-period":          "5s",
 		"agent-dir":               "/var/lib/shepherd-agent",
 	} {
 		_ = fl.Set(name, v)

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"cmp"
+	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -8,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -46,6 +50,7 @@ func newLogger(format, level string) (*slog.Logger, error) {
 // and `shepherd dev` share them.
 func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.StringVar(&cfg.MetricsListen, "metrics-listen", "", "address to serve Prometheus /metrics on (default: off)")
+	cfg.Web.bind(fl)
 
 	fl.StringVar(&cfg.Server.Listen, "server-listen", ":7443", "callback server: TLS address agents send heartbeats to")
 	fl.StringVar(&cfg.Server.CertFile, "server-cert", "", "callback server: PEM certificate (chain); empty: a development CA in --data-dir")
@@ -87,6 +92,15 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	up := &cfg.Updater
 	fl.DurationVar(&up.ChangingPeriod, "updater-changing-period", 10*time.Second, "updater: time between passes while a machine is provisioning")
 	fl.DurationVar(&up.StablePeriod, "updater-stable-period", 5*time.Minute, "updater: time between passes while no machine is changing")
+
+	jn := &cfg.Janitor
+	fl.DurationVar(&jn.Period, "janitor-period", 30*time.Second, "janitor: time between passes (expiring dead work, deleting old sessions, reading the fleet gauges)")
+	fl.DurationVar(&jn.SessionRetention, "session-retention", 7*24*time.Hour, "janitor: ended sessions are deleted after this long (history keeps their ids)")
+
+	dc := &cfg.Decommissioner
+	fl.IntVar(&dc.Loop.Parallelism, "decommissioner-parallelism", 2, "decommissioner: machines decommissioned at once")
+	dc.Loop.QueryLimit = manager.DefaultLimit()
+	fl.Var(&dc.Loop.QueryLimit, "decommissioner-query-limit", "decommissioner: candidate query rate as duration,burst")
 }
 
 func newRunCommand() *cobra.Command {
@@ -128,12 +142,13 @@ func newRunCommand() *cobra.Command {
 			if agentPath == "" {
 				cfg.Initializer.AgentPath = defaultAgentPath()
 			}
-			d, err := db.open(cmd.Context(), bmdb.SchemaMigrate)
+			reg := newRegistry()
+			d, err := db.openObserved(cmd.Context(), reg, log)
 			if err != nil {
 				return err
 			}
 			defer d.Close()
-			s := &stack{cfg: cfg, db: d, reg: newRegistry(), log: log}
+			s := &stack{cfg: cfg, db: d, reg: reg, log: log}
 			log.InfoContext(cmd.Context(), "starting", "components", strings.Join(cfg.Components, ","), "schema_version", d.SchemaVersion())
 			err = s.run(cmd.Context(), nil)
 			log.Info("stopped")
@@ -150,6 +165,18 @@ func newRunCommand() *cobra.Command {
 	fl.StringVar(&agentPath, "agent", "", "local agent binary to upload (default: shepherd-agent next to this binary)")
 	bindStackFlags(fl, &cfg)
 	return cmd
+}
+
+// openObserved is open (with migrations) for the long-running commands:
+// the BMDB client's metrics (sessions, transactions, work; SPEC §6) are
+// registered on reg, which they serve on /metrics, and its events (lost
+// sessions, retried transactions) are logged to log.
+func (f *databaseFlags) openObserved(ctx context.Context, reg prometheus.Registerer, log *slog.Logger) (*bmdb.DB, error) {
+	url := cmp.Or(f.url, os.Getenv("SHEPHERD_DATABASE_URL"))
+	if url == "" {
+		return nil, errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
+	}
+	return bmdb.Open(ctx, bmdb.Config{URL: url, Schema: bmdb.SchemaMigrate, Registerer: reg, Logger: log})
 }
 
 // defaultAgentPath is shepherd-agent next to the running binary.

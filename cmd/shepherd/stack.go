@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/x509"
 	"encoding/pem"
@@ -32,14 +33,16 @@ import (
 
 // Component names of `shepherd run --components`.
 const (
-	compServer      = "server"
-	compProvisioner = "provisioner"
-	compInitializer = "initializer"
-	compRecoverer   = "recoverer"
-	compUpdater     = "updater"
+	compServer         = "server"
+	compProvisioner    = "provisioner"
+	compInitializer    = "initializer"
+	compRecoverer      = "recoverer"
+	compUpdater        = "updater"
+	compJanitor        = "janitor"
+	compDecommissioner = "decommissioner"
 )
 
-var allComponents = []string{compServer, compProvisioner, compInitializer, compRecoverer, compUpdater}
+var allComponents = []string{compServer, compProvisioner, compInitializer, compRecoverer, compUpdater, compJanitor, compDecommissioner}
 
 // providers is the registry of providers this binary knows: adding one is a
 // package of its own and one line here.
@@ -63,6 +66,7 @@ type stackConfig struct {
 
 	Server        server.Config
 	MetricsListen string
+	Web           webConfig // the web UI (web.go)
 
 	SSHKeyFile string // initializer's SSH client key; created (0600) if missing
 	SSHUser    string
@@ -78,6 +82,10 @@ type stackConfig struct {
 	Recoverer   manager.RecovererConfig
 	Provisioner manager.ProvisionerConfig
 	Updater     manager.UpdaterConfig
+	// Janitor's heartbeat timeouts default to the recoverer's, so that the
+	// gauges call Silent what the recoverer reboots.
+	Janitor        manager.JanitorConfig
+	Decommissioner manager.DecommissionerConfig
 }
 
 // stack is a running set of components sharing one BMDB, registry, logger
@@ -91,6 +99,7 @@ type stack struct {
 	// set by start, for callers that watch the stack (shepherd dev)
 	provider provider.Provider
 	endpoint string
+	webAddr  string // the web UI's listener, if it runs
 }
 
 func newRegistry() *prometheus.Registry {
@@ -141,6 +150,11 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 			return err
 		}
 	}
+	if cfg.Web.Listen != "" {
+		if err := s.serveWeb(gctx, g); err != nil {
+			return err
+		}
+	}
 
 	var srv *server.Server
 	if has(compServer) {
@@ -158,7 +172,18 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		g.Go(func() error { return named(compServer, srv.Run(gctx)) })
 	}
 
-	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer) || has(compUpdater)
+	if has(compJanitor) {
+		jc := cfg.Janitor
+		jc.FirstHeartbeatTimeout = cmp.Or(jc.FirstHeartbeatTimeout, cfg.Recoverer.FirstHeartbeatTimeout)
+		jc.HeartbeatTimeout = cmp.Or(jc.HeartbeatTimeout, cfg.Recoverer.HeartbeatTimeout)
+		j, err := manager.NewJanitor(jc, s.db, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compJanitor, j.Run(gctx)) })
+	}
+
+	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer) || has(compUpdater) || has(compDecommissioner)
 	if !needProvider {
 		if ready != nil {
 			ready(s)
@@ -166,7 +191,7 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		return waitStack(ctx, g)
 	}
 	if cfg.Provider == "" {
-		return errors.New("--provider is required for the provisioner, initializer, recoverer and updater")
+		return errors.New("--provider is required for the provisioner, initializer, recoverer, updater and decommissioner")
 	}
 	signer, err := sshx.LoadOrCreateKey(cfg.SSHKeyFile)
 	if err != nil {
@@ -249,6 +274,13 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 			return err
 		}
 		g.Go(func() error { return named(compUpdater, up.Run(gctx)) })
+	}
+	if has(compDecommissioner) {
+		dc, err := manager.NewDecommissioner(cfg.Decommissioner, s.db, p, s.reg, s.log)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return named(compDecommissioner, dc.Run(gctx)) })
 	}
 	if ready != nil {
 		ready(s)

@@ -127,6 +127,7 @@ type Provider struct {
 var (
 	_ provider.Provider  = (*Provider)(nil)
 	_ provider.Recoverer = (*Provider)(nil)
+	_ provider.Releaser  = (*Provider)(nil)
 )
 
 // New checks cfg, ensures the project SSH key exists under its label with
@@ -391,6 +392,30 @@ func (p *Provider) ReinstallMachine(ctx context.Context, id string) error {
 		return fmt.Errorf("equinix: reinstalling device %s: %w", id, err)
 	}
 	return p.waitActive(ctx, id, "reinstall", false)
+}
+
+// ReleaseMachine deletes a device of ours; its hardware reservation
+// becomes capacity again. A device that is gone already is reported as
+// such (an error wrapping provider.ErrNotFound), which the decommissioner
+// takes as released; a device that is not ours is never deleted.
+func (p *Provider) ReleaseMachine(ctx context.Context, id string) error {
+	d, err := p.api.GetDevice(ctx, id)
+	if errors.Is(err, metal.ErrNotFound) {
+		return fmt.Errorf("equinix: device %s: %w", id, provider.ErrNotFound)
+	} else if err != nil {
+		return fmt.Errorf("equinix: getting device %s: %w", id, err)
+	}
+	if !p.ours(d) {
+		return fmt.Errorf("equinix: device %s (%s) is not ours (hostname prefix %q); not deleting it", id, d.Hostname, p.cfg.Prefix)
+	}
+	err = p.api.DeleteDevice(ctx, id)
+	if errors.Is(err, metal.ErrNotFound) {
+		return fmt.Errorf("equinix: device %s: %w", id, provider.ErrNotFound)
+	} else if err != nil {
+		return fmt.Errorf("equinix: deleting device %s: %w", id, err)
+	}
+	p.log.Info("device deleted", "device_id", id, "hostname", d.Hostname)
+	return nil
 }
 
 // readyOurs refuses to act on devices that are not Shepherd's, and waits

@@ -173,8 +173,8 @@ type slot struct {
 }
 
 // Fleet is a simulated fleet. It implements provider.Provider,
-// provider.Recoverer, provider.SSHAccessor and provider.Runner. Create it
-// with New and run its heartbeats with Run.
+// provider.Recoverer, provider.Releaser, provider.SSHAccessor and
+// provider.Runner. Create it with New and run its heartbeats with Run.
 type Fleet struct {
 	cfg     Config
 	log     *slog.Logger
@@ -481,6 +481,42 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 	return nil
 }
 
+// ReleaseMachine gives a machine of ours back, like deleting a cloud
+// device: its agent stops at once (its heartbeats end), its SSH
+// connections close, and the slot becomes free capacity again
+// (KnownUnused, not reachable over SSH). A killed machine can be released
+// too; a device made from the slot later is a fresh install (a new host
+// key, nothing installed). Releasing a free slot does nothing.
+func (f *Fleet) ReleaseMachine(ctx context.Context, id string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("sim: releasing %s: %w", id, err)
+	}
+	i, err := f.lookup(id)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	s := &f.slots[i]
+	if !s.used {
+		f.mu.Unlock()
+		return nil
+	}
+	closeAfter := f.shutdownLocked(i)
+	s.used = false
+	f.stats.Used--
+	if s.killed {
+		s.killed = false
+		f.stats.Killed--
+	}
+	s.rebootUntil, s.installed = 0, 0
+	s.reinstalls++
+	f.stats.Releases++
+	f.mu.Unlock()
+	closeAfter()
+	f.log.InfoContext(ctx, "machine released", "provider_id", id)
+	return nil
+}
+
 // shutdownLocked ends slot i's running system: its agent, its files and
 // its SSH connections. f.mu must be held; the returned func closes what
 // must be closed outside the lock.
@@ -588,6 +624,7 @@ type Stats struct {
 	Reboots          int64 // reboots and reinstalls through the provider
 	RebootsFailed    int64 // reboots and reinstalls the provider refused
 	Installations    int64 // installations carried out
+	Releases         int64 // machines released (ReleaseMachine) and free again
 }
 
 // Stats returns the fleet's counts.
@@ -689,6 +726,7 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 var (
 	_ provider.Provider    = (*Fleet)(nil)
 	_ provider.Recoverer   = (*Fleet)(nil)
+	_ provider.Releaser    = (*Fleet)(nil)
 	_ provider.SSHAccessor = (*Fleet)(nil)
 	_ provider.Runner      = (*Fleet)(nil)
 )

@@ -5,7 +5,8 @@
 // them oldest first), in terms of tags only. From that one definition this program
 // writes the list, count and claim queries (and the plain-LIMIT claim the
 // benchmark compares against), each wrapped in the same exclusions: live
-// conflicting work, active backoff or quarantine, and decommission requests.
+// conflicting work, active backoff or quarantine, and decommission requests
+// (except in the decommissioner's own query, marked by decommissionDirective).
 // Generating them keeps the count that feeds metrics from drifting away from
 // the query that hands out work.
 //
@@ -28,11 +29,18 @@ type definition struct {
 	Name   string // CamelCase, from the file name: agent_start.sql -> AgentStart
 	Doc    string // the leading comment lines, without "--"
 	Select string // the SELECT, indented for embedding
+	// Exclusions are the shared exclusions this definition is wrapped in.
+	Exclusions string
 }
 
+// decommissionDirective, on a line of its own in a definition's leading
+// comment, marks the decommissioner's own query (SPEC §2.6): machines with a
+// decommission request are its candidates, so that exclusion is left out.
+const decommissionDirective = "-- +gencandidates:decommission-requests-are-candidates"
+
 // exclusions is appended to every candidate set: the machine is not held by
-// live work of this process or of a process excluded with it, not backed off
-// or quarantined for this process, and not being decommissioned. Work held by
+// live work of this process or of a process excluded with it, and not backed
+// off or quarantined for this process. Work held by
 // a session whose deadline passed does not count: such a machine is free, and
 // the claim below expires that work.
 const exclusions = `NOT EXISTS (
@@ -48,7 +56,12 @@ const exclusions = `NOT EXISTS (
         FROM work_backoff b
         WHERE b.machine_id = c.machine_id
           AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
+          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))`
+
+// decommissionExclusion is added to exclusions for every definition but the
+// decommissioner's own: a machine being decommissioned is not worked on by
+// anything else.
+const decommissionExclusion = `
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)`
 
@@ -60,7 +73,7 @@ SELECT c.machine_id
 FROM (
 {{.Select}}
 ) c
-WHERE {{$.Exclusions}}
+WHERE {{.Exclusions}}
 ORDER BY c.since
 LIMIT @row_limit::integer;
 
@@ -69,7 +82,7 @@ SELECT count(*)
 FROM (
 {{.Select}}
 ) c
-WHERE {{$.Exclusions}};
+WHERE {{.Exclusions}};
 
 -- name: Count{{.Name}}Matching :one
 -- Count{{.Name}}Matching counts the machines the definition selects by
@@ -105,7 +118,7 @@ WITH candidate AS (
 {{.Select}}
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
-        WHERE {{$.Exclusions}}
+        WHERE {{.Exclusions}}
         ORDER BY c.since
         LIMIT @scan_limit::integer
     ) c
@@ -131,7 +144,7 @@ WITH candidate AS (
 {{.Select}}
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
-        WHERE {{$.Exclusions}}
+        WHERE {{.Exclusions}}
         ORDER BY c.since
         LIMIT 1
     ) c
@@ -221,10 +234,9 @@ func run(in, out string) error {
 	}
 	var buf bytes.Buffer
 	err = queries.Execute(&buf, struct {
-		Defs       []definition
-		Exclusions string
-		Claim      string
-	}{defs, exclusions, claim})
+		Defs  []definition
+		Claim string
+	}{defs, claim})
 	if err != nil {
 		return err
 	}
@@ -237,7 +249,12 @@ func parse(path string) (definition, error) {
 		return definition{}, err
 	}
 	var doc, body []string
+	excl := exclusions + decommissionExclusion
 	for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
+		if len(body) == 0 && strings.TrimSpace(line) == decommissionDirective {
+			excl = exclusions
+			continue
+		}
 		if len(body) == 0 && strings.HasPrefix(line, "--") {
 			doc = append(doc, line)
 			continue
@@ -258,5 +275,5 @@ func parse(path string) (definition, error) {
 		}
 		name.WriteString(strings.ToUpper(part[:1]) + part[1:])
 	}
-	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n")}, nil
+	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"), Exclusions: excl}, nil
 }

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/web"
+)
+
+// webConfig is the web UI's part of stackConfig: any component serves it
+// with --web-listen (SPEC §6).
+type webConfig struct {
+	Listen    string // --web-listen; "" means no web UI
+	Actions   bool   // --web-actions
+	TokenFile string // --web-operator-token-file
+	// FallbackPort listens on a free port of Listen's host when Listen's
+	// port is taken (shepherd dev, whose default port may be in use).
+	FallbackPort bool
+}
+
+func (c *webConfig) bind(fl *pflag.FlagSet) {
+	fl.StringVar(&c.Listen, "web-listen", "", "address to serve the web UI on, e.g. 127.0.0.1:8080 (default: off)")
+	fl.BoolVar(&c.Actions, "web-actions", false, "web UI: offer reset, decommission and install actions (needs --web-operator-token-file)")
+	fl.StringVar(&c.TokenFile, "web-operator-token-file", "", "web UI: file holding the operator token that authorizes actions (at least 16 characters)")
+}
+
+// readOperatorToken reads the token file, warning if others may read it.
+// Neither the token nor the file's contents ever reach an error message.
+func readOperatorToken(path string, log *slog.Logger) (web.Token, error) {
+	if path == "" {
+		return web.Token{}, errors.New("--web-actions needs --web-operator-token-file")
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return web.Token{}, fmt.Errorf("--web-operator-token-file: %w", err)
+	}
+	if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o077 != 0 {
+		log.Warn("the operator token file is readable by others; make it 0600", "file", path, "mode", fi.Mode().Perm().String())
+	}
+	t, err := web.NewToken(strings.TrimSpace(string(data)))
+	if err != nil {
+		return web.Token{}, fmt.Errorf("--web-operator-token-file %s: %w", path, err)
+	}
+	return t, nil
+}
+
+// serveWeb starts the web UI in g; it listens before returning, so that
+// s.webAddr is known and a taken port fails the start.
+func (s *stack) serveWeb(ctx context.Context, g *errgroup.Group) error {
+	wc := s.cfg.Web
+	rc := s.cfg.Recoverer
+	cfg := web.Config{
+		Listen:                wc.Listen,
+		FirstHeartbeatTimeout: rc.FirstHeartbeatTimeout,
+		HeartbeatTimeout:      rc.HeartbeatTimeout,
+		Actions:               wc.Actions,
+		Registerer:            s.reg,
+		Logger:                s.log,
+		// The breaker's state lives in the BMDB, so this process shows what
+		// every recoverer sees, with the same thresholds (the shared flags).
+		Breaker: func(ctx context.Context, provider string) (web.BreakerState, error) {
+			b, err := manager.ReadBreaker(ctx, s.db, provider, rc)
+			return web.BreakerState{
+				Started: b.Started, Silent: b.Silent, SilentFraction: b.SilentFraction,
+				RebootsInWindow: b.RebootsInWindow, Budget: b.Budget, Window: b.Window, Paused: b.Paused,
+			}, err
+		},
+	}
+	if s.cfg.Provider != "" {
+		cfg.Providers = []string{s.cfg.Provider}
+	}
+	if wc.Actions {
+		var err error
+		if cfg.OperatorToken, err = readOperatorToken(wc.TokenFile, s.log); err != nil {
+			return err
+		}
+	} else if wc.TokenFile != "" {
+		return errors.New("--web-operator-token-file is only used with --web-actions")
+	}
+	ws, err := web.New(cfg, s.db)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", wc.Listen)
+	if err != nil && wc.FallbackPort && errors.Is(err, syscall.EADDRINUSE) {
+		host, _, _ := net.SplitHostPort(wc.Listen)
+		ln, err = net.Listen("tcp", net.JoinHostPort(host, "0"))
+	}
+	if err != nil {
+		return fmt.Errorf("--web-listen: %w", err)
+	}
+	ws.UseListener(ln)
+	s.webAddr = ln.Addr().String()
+	g.Go(func() error { return named("web", ws.Run(ctx)) })
+	return nil
+}
+
+// webURL is the address of the web UI as a browser reaches it: a wildcard
+// host becomes localhost.
+func webURL(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "http://" + addr
+	}
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		host = "localhost"
+	}
+	return "http://" + net.JoinHostPort(host, port) + "/"
+}

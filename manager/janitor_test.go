@@ -1,0 +1,307 @@
+package manager_test
+
+import (
+	"context"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
+)
+
+// TestJanitorExpiresAndDeletes: a pass expires the work of a dead session
+// (history Expired, naming it) and deletes sessions that ended before the
+// retention period, and only those.
+func TestJanitorExpiresAndDeletes(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	id := bmdbtest.AddMachine(t, db, setup, "lab")
+
+	// A process claims the machine and crashes: its session's deadline
+	// passes with the work still held.
+	// (Its next renewal, a third of the lease later, finds it expired.)
+	crashed := bmdbtest.Session(t, db, "initializer", time.Minute)
+	if _, err := crashed.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab")); err != nil {
+		t.Fatal(err)
+	}
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE session_id = $1", crashed.ID())
+	// Sessions that ended long ago, and one that ended recently.
+	old := bmdbtest.Session(t, db, "old", time.Minute)
+	if err := old.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	db.Exec(t, "UPDATE sessions SET closed_at = now() - interval '8 days' WHERE session_id = $1", old.ID())
+	oldExpired := bmdbtest.Session(t, db, "old-expired", time.Minute)
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '8 days' WHERE session_id = $1", oldExpired.ID())
+	recent := bmdbtest.Session(t, db, "recent", time.Minute)
+	if err := recent.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+
+	j, err := manager.NewJanitor(manager.JanitorConfig{}, db.DB, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := j.Pass(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Expired != 1 || res.SessionsDeleted != 2 {
+		t.Errorf("Pass() = %+v, want 1 work item expired and the 2 old sessions deleted", res)
+	}
+	h := events(t, db, id)
+	last := h[len(h)-1]
+	if last.Event != bmdb.EventExpired || last.Process != bmdb.ProcessAgentStart || last.SessionID == nil ||
+		*last.SessionID != crashed.ID() || !strings.Contains(last.Cause, crashed.ID().String()) {
+		t.Errorf("last history row %+v, want Expired naming session %s", last, crashed.ID())
+	}
+	var left []string
+	rows, err := db.Pool.Query(t.Context(), "SELECT component FROM sessions ORDER BY component")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var c string
+		if err := rows.Scan(&c); err != nil {
+			t.Fatal(err)
+		}
+		left = append(left, c)
+	}
+	if rows.Err() != nil {
+		t.Fatal(rows.Err())
+	}
+	// The crashed session ended a second ago: it is kept for the retention
+	// period like the recently closed one.
+	if want := []string{"initializer", "recent", "setup"}; !cmp.Equal(left, want) {
+		t.Errorf("sessions left %v, want %v", left, want)
+	}
+	// The machine is free again.
+	if n, err := db.CountCandidates(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab")); err != nil || n != 1 {
+		t.Errorf("agent start candidates after the pass: %d, %v; want the machine", n, err)
+	}
+	// Nothing left to do: a second pass changes nothing.
+	if res, err := j.Pass(t.Context()); err != nil || res.Expired != 0 || res.SessionsDeleted != 0 {
+		t.Errorf("second Pass() = %+v, %v; want nothing done", res, err)
+	}
+}
+
+// gauges returns the series of the fleet gauge name in reg, by their
+// labels (name=value, sorted, comma-separated).
+func gauges(t *testing.T, reg *prometheus.Registry, name string) map[string]float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			out[labelString(m)] = m.GetGauge().GetValue()
+		}
+	}
+	return out
+}
+
+func labelString(m *dto.Metric) string {
+	var ls []string
+	for _, l := range m.GetLabel() {
+		ls = append(ls, l.GetName()+"="+l.GetValue())
+	}
+	sort.Strings(ls)
+	return strings.Join(ls, ",")
+}
+
+// TestJanitorGauges: the fleet gauges match FleetStates for a built fleet,
+// and series of states, locations and providers that emptied are gone
+// after the next pass, not left at their last value.
+func TestJanitorGauges(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 30, Stale: 5, Installed: 3, AwaitingAgent: 4, NeverHeartbeat: 2})
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "q", AwaitingAgent: 6})
+	db.Exec(t, "UPDATE machine_provided SET provider_location = CASE WHEN agent_phase = 'AwaitingAgent' THEN 'rack-a' ELSE 'rack-b' END")
+	db.Exec(t, `INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, cpu_threads, memory_bytes)
+		SELECT machine_id, '\x00', 32, 128::bigint << 30 FROM machine_agent_heartbeat`)
+	holder := bmdbtest.Session(t, db, "holder", time.Minute)
+	db.Exec(t, `INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+		SELECT machine_id, 'AgentStart', true, $1 FROM machine_provided WHERE provider = 'q' LIMIT 2`, holder.ID())
+	db.Exec(t, `INSERT INTO work_backoff (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
+		SELECT machine_id, 'AgentStart', now() + interval '1 hour', 'test', 60000, 1, NULL FROM machine_provided WHERE provider = 'p' AND agent_phase = 'AwaitingAgent' LIMIT 1`)
+
+	reg := prometheus.NewRegistry()
+	j, err := manager.NewJanitor(manager.JanitorConfig{}, db.DB, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := gauges(t, reg, "shepherd_fleet_machines"); len(got) != 0 {
+		t.Errorf("fleet gauges before the first pass: %v, want none", got)
+	}
+	if _, err := j.Pass(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	check := func(when string) {
+		t.Helper()
+		byProvider := map[string]map[bmdb.MachineState]int64{}
+		for labels, v := range gauges(t, reg, "shepherd_fleet_machines") {
+			l := parseLabels(labels)
+			if byProvider[l["provider"]] == nil {
+				byProvider[l["provider"]] = map[bmdb.MachineState]int64{}
+			}
+			byProvider[l["provider"]][bmdb.MachineState(l["state"])] += int64(v)
+			if v == 0 {
+				t.Errorf("%s: series %s is zero; emptied series must be dropped", when, labels)
+			}
+		}
+		for _, p := range []string{"p", "q"} {
+			want, err := db.FleetStates(t.Context(), p, 0, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(want) == 0 {
+				want = nil
+			}
+			if diff := cmp.Diff(want, byProvider[p]); diff != "" {
+				t.Errorf("%s: gauges of %s differ from FleetStates (-FleetStates +gauges):\n%s", when, p, diff)
+			}
+		}
+	}
+	check("first pass")
+	machines := gauges(t, reg, "shepherd_fleet_machines")
+	for labels, want := range map[string]float64{
+		"location=rack-b,provider=p,state=Healthy":       30,
+		"location=rack-b,provider=p,state=Silent":        7,
+		"location=rack-b,provider=p,state=Installed":     3,
+		"location=rack-a,provider=p,state=Provided":      3,
+		"location=rack-a,provider=p,state=BackedOff":     1,
+		"location=rack-a,provider=q,state=AgentStarting": 2,
+		"location=rack-a,provider=q,state=Provided":      4,
+	} {
+		if machines[labels] != want {
+			t.Errorf("shepherd_fleet_machines{%s} = %v, want %v (all: %v)", labels, machines[labels], want, machines)
+		}
+	}
+	if got := gauges(t, reg, "shepherd_fleet_live_work"); got["process=AgentStart"] != 2 || got["process=Recovery"] != 0 || len(got) != len(bmdb.Processes()) {
+		t.Errorf("shepherd_fleet_live_work = %v, want AgentStart 2 and every process reported", got)
+	}
+	if got := gauges(t, reg, "shepherd_fleet_backoffs"); got["process=AgentStart,quarantined=false"] != 1 || got["process=AgentStart,quarantined=true"] != 0 {
+		t.Errorf("shepherd_fleet_backoffs = %v, want one active AgentStart backoff", got)
+	}
+	hw := map[string]float64{}
+	for _, name := range []string{"shepherd_fleet_hardware_machines", "shepherd_fleet_memory_bytes", "shepherd_fleet_cpu_threads"} {
+		for labels, v := range gauges(t, reg, name) {
+			hw[name+"{"+labels+"}"] = v
+		}
+	}
+	if diff := cmp.Diff(map[string]float64{
+		"shepherd_fleet_hardware_machines{location=rack-b,provider=p}": 38,
+		"shepherd_fleet_memory_bytes{location=rack-b,provider=p}":      38 * 128 << 30,
+		"shepherd_fleet_cpu_threads{location=rack-b,provider=p}":       38 * 32,
+	}, hw); diff != "" {
+		t.Errorf("hardware gauges (-want +got):\n%s", diff)
+	}
+
+	// Every silent machine heartbeats again, q's machines move to another
+	// rack, and the backoff ends: their series must go.
+	db.Exec(t, "UPDATE machine_agent_heartbeat SET agent_heartbeat_at = now() WHERE watched")
+	db.Exec(t, `INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
+		SELECT machine_id, now() FROM machine_provided WHERE agent_phase = 'AwaitingFirstHeartbeat'`)
+	db.Exec(t, "UPDATE machine_provided SET provider_location = 'rack-c' WHERE provider = 'q'")
+	db.Exec(t, "DELETE FROM work_backoff")
+	db.Exec(t, "DELETE FROM machine_hardware_report")
+	if _, err := j.Pass(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	check("second pass")
+	machines = gauges(t, reg, "shepherd_fleet_machines")
+	for labels := range machines {
+		if strings.Contains(labels, "state=Silent") || strings.Contains(labels, "provider=q") && strings.Contains(labels, "rack-a") ||
+			strings.Contains(labels, "state=BackedOff") {
+			t.Errorf("series %s = %v is still reported after it emptied", labels, machines[labels])
+		}
+	}
+	if machines["location=rack-c,provider=q,state=Provided"] != 4 {
+		t.Errorf("q's machines in rack-c: %v", machines)
+	}
+	if got := gauges(t, reg, "shepherd_fleet_hardware_machines"); len(got) != 0 {
+		t.Errorf("hardware series after every report went: %v, want none", got)
+	}
+	if got := gauges(t, reg, "shepherd_fleet_backoffs"); got["process=AgentStart,quarantined=false"] != 0 {
+		t.Errorf("shepherd_fleet_backoffs = %v after the backoff ended, want 0", got)
+	}
+}
+
+func parseLabels(s string) map[string]string {
+	out := map[string]string{}
+	for _, kv := range strings.Split(s, ",") {
+		k, v, _ := strings.Cut(kv, "=")
+		out[k] = v
+	}
+	return out
+}
+
+// TestJanitorRun runs the janitor loop: it holds a session while it runs,
+// makes passes until it is stopped, and closes the session.
+func TestJanitorRun(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	bmdbtest.AddMachine(t, db, setup, "lab")
+	reg := prometheus.NewRegistry()
+	j, err := manager.NewJanitor(manager.JanitorConfig{Period: 50 * time.Millisecond}, db.DB, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- j.Run(ctx) }()
+	bmdbtest.WaitFor(t, 30*time.Second, "janitor passes and gauges", func(ctx context.Context) (bool, error) {
+		mfs, err := reg.Gather()
+		if err != nil {
+			return false, err
+		}
+		passes := 0.0
+		for _, mf := range mfs {
+			if mf.GetName() == "shepherd_janitor_passes_total" {
+				for _, m := range mf.GetMetric() {
+					if labelString(m) == "result=ok" {
+						passes = m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+		g := gauges(t, reg, "shepherd_fleet_machines")
+		return passes >= 3 && g["location=,provider=lab,state=Provided"] == 1, nil
+	})
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'janitor' AND closed_at IS NULL"); n != 1 {
+		t.Errorf("%d open janitor sessions while it runs, want 1", n)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run() = %v", err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'janitor' AND closed_at IS NULL"); n != 0 {
+		t.Errorf("%d open janitor sessions after it stopped, want 0", n)
+	}
+}
+
+func TestJanitorConfigValidate(t *testing.T) {
+	t.Parallel()
+	for _, c := range []manager.JanitorConfig{
+		{Period: -time.Second}, {SessionRetention: -time.Hour}, {HeartbeatTimeout: -1}, {Lease: -1},
+	} {
+		if _, err := manager.NewJanitor(c, nil, nil, nil); err == nil {
+			t.Errorf("NewJanitor(%+v) succeeded, want an error", c)
+		}
+	}
+}

@@ -1,0 +1,135 @@
+package web
+
+import (
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"golang.org/x/crypto/ssh"
+	"google.golang.org/protobuf/proto"
+
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/bmdb"
+)
+
+// historyPage is how many history rows the machine page shows at once;
+// ?history_after=ID shows the next ones.
+const historyPage = 500
+
+// machineData is the machine page.
+type machineData struct {
+	M        bmdb.MachineDetail
+	Actions  bool   // offer the actions
+	Done     string // the message of an action just carried out
+	Hardware *hardwareView
+	HWError  string
+	Install  *installView
+	// AgentKey is the agent's public key (base64); HostKey the SHA-256
+	// fingerprint of the SSH host key.
+	AgentKey, HostKey string
+	HostKeyError      string
+	History           []bmdb.HistoryEvent
+	HistoryNext       string
+	HistoryFirst      bool
+}
+
+// hardwareView is the decoded hardware report.
+type hardwareView struct {
+	Report   *agentv1.HardwareReport
+	Firmware string
+}
+
+// installView is the decoded installation request and report.
+type installView struct {
+	bmdb.Installation
+	Request *agentv1.OSInstallationRequest
+	// RequestError is set when the stored request cannot be decoded.
+	RequestError string
+	Installed    bool
+}
+
+// doneMessages are what the machine page says after an action redirected
+// to it. The URL names the action only: a link cannot make the page say
+// anything else.
+var doneMessages = map[string]string{
+	actionReset.name:        "Backoff reset: the machine is a candidate again.",
+	actionDecommission.name: "Decommission requested: the decommissioner takes the machine out of the fleet.",
+	actionInstall.name:      "Installation requested: the agent picks it up with its next heartbeat.",
+}
+
+// machine serves a machine's page: every tag, the decoded hardware report,
+// live work, backoffs and quarantines, and its history.
+func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) {
+	id, err := machineID(r)
+	if err != nil {
+		return nil, err
+	}
+	ctx := r.Context()
+	log := s.log.With("machine_id", id.String())
+	m, err := s.db.GetMachineWithTimeouts(ctx, id, s.cfg.FirstHeartbeatTimeout, s.cfg.HeartbeatTimeout)
+	if errors.Is(err, bmdb.ErrNotFound) {
+		return nil, notFound("machine %s does not exist", id)
+	} else if err != nil {
+		return nil, err
+	}
+	d := &machineData{M: m, Actions: s.cfg.Actions, Done: doneMessages[r.URL.Query().Get("done")]}
+	if len(m.HardwareReportRaw) > 0 {
+		var hw agentv1.HardwareReport
+		if err := proto.Unmarshal(m.HardwareReportRaw, &hw); err != nil {
+			log.WarnContext(ctx, "stored hardware report does not decode", "err", err)
+			d.HWError = "the stored report does not decode: " + err.Error()
+		} else {
+			d.Hardware = &hardwareView{Report: &hw, Firmware: firmwareName(hw.GetFirmwareMode())}
+		}
+	}
+	if len(m.AgentPublicKey) > 0 {
+		d.AgentKey = base64.StdEncoding.EncodeToString(m.AgentPublicKey)
+	}
+	if len(m.HostKey) > 0 {
+		if k, err := ssh.ParsePublicKey(m.HostKey); err != nil {
+			d.HostKeyError = "the recorded key does not parse: " + err.Error()
+		} else {
+			d.HostKey = k.Type() + " " + ssh.FingerprintSHA256(k)
+		}
+	}
+	if in := m.Installation; in != nil {
+		iv := &installView{Installation: *in, Installed: in.Installed()}
+		if in.RequestGeneration > 0 {
+			iv.Request = &agentv1.OSInstallationRequest{}
+			if err := proto.Unmarshal(in.Request, iv.Request); err != nil {
+				iv.Request, iv.RequestError = nil, "the stored request does not decode: "+err.Error()
+			}
+		}
+		d.Install = iv
+	}
+
+	f := bmdb.HistoryFilter{MachineID: id, Limit: historyPage + 1}
+	if a := r.URL.Query().Get("history_after"); a != "" {
+		if f.AfterID, err = strconv.ParseInt(a, 10, 64); err != nil || f.AfterID < 0 {
+			return nil, badRequest("history_after=%q is not a history row id", a)
+		}
+	}
+	d.HistoryFirst = f.AfterID == 0
+	if d.History, err = s.db.History(ctx, f); err != nil {
+		return nil, err
+	}
+	if len(d.History) > historyPage {
+		d.History = d.History[:historyPage]
+		d.HistoryNext = fmt.Sprintf("/machines/%s?history_after=%d#history", id, d.History[historyPage-1].ID)
+	}
+	log.DebugContext(ctx, "machine page", "history_rows", len(d.History))
+	return &view{Title: "Machine " + id.String(), Nav: "machines", Refresh: s.refreshSeconds(), Data: d}, nil
+}
+
+func firmwareName(m agentv1.FirmwareMode) string {
+	switch m {
+	case agentv1.FirmwareMode_FIRMWARE_MODE_BIOS:
+		return "BIOS"
+	case agentv1.FirmwareMode_FIRMWARE_MODE_EFI:
+		return "EFI"
+	default:
+		return "unknown"
+	}
+}

@@ -1,0 +1,115 @@
+package web
+
+import (
+	"errors"
+	"net/http"
+	"net/url"
+	"strings"
+
+	"github.com/google/uuid"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/bmdb"
+)
+
+// listData is the machine list page: the filter, one page of machines and
+// the cursor of the next.
+type listData struct {
+	States    []string
+	State     string
+	Provider  string
+	Location  string
+	Search    string
+	Decom     bool
+	Count     int64
+	Machines  []bmdb.MachineSummary
+	NextURL   string
+	FirstURL  string
+	FirstPage bool
+}
+
+// maxFilterLength bounds a filter value: longer ones cannot match anything
+// (provider ids are at most 128 bytes) and only cost the database.
+const maxFilterLength = 256
+
+// machineList serves the machine list: filtered by state, provider and
+// location, searched by id, provider id or IP, a page at a time in id
+// order (keyset pagination: ?after=ID continues after that machine).
+func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, error) {
+	q := r.URL.Query()
+	d := &listData{
+		State:    q.Get("state"),
+		Provider: strings.TrimSpace(q.Get("provider")),
+		Location: strings.TrimSpace(q.Get("location")),
+		Search:   strings.TrimSpace(q.Get("q")),
+		Decom:    q.Get("decommissioned") == "on",
+	}
+	for _, st := range bmdb.MachineStates() {
+		d.States = append(d.States, string(st))
+	}
+	for _, v := range []string{d.Provider, d.Location, d.Search} {
+		if len(v) > maxFilterLength {
+			return nil, badRequest("a filter value is longer than %d bytes", maxFilterLength)
+		}
+	}
+	var after uuid.UUID
+	if a := q.Get("after"); a != "" {
+		var err error
+		if after, err = uuid.Parse(a); err != nil {
+			return nil, badRequest("after=%q is not a machine id", a)
+		}
+	}
+	f := bmdb.MachineFilter{
+		Provider:              d.Provider,
+		Location:              d.Location,
+		State:                 bmdb.MachineState(d.State),
+		Search:                d.Search,
+		FirstHeartbeatTimeout: s.cfg.FirstHeartbeatTimeout,
+		HeartbeatTimeout:      s.cfg.HeartbeatTimeout,
+		IncludeDecommissioned: d.Decom || d.State == string(bmdb.StateDecommissioned),
+	}
+	// The page and the count are independent statements that each scan
+	// the fleet when filtered: run them side by side.
+	var next uuid.UUID
+	g, gctx := errgroup.WithContext(r.Context())
+	g.Go(func() error {
+		var err error
+		d.Machines, next, err = s.db.ListMachines(gctx, f, after, s.cfg.PageSize)
+		return err
+	})
+	g.Go(func() error {
+		var err error
+		d.Count, err = s.db.CountMachines(gctx, f)
+		return err
+	})
+	if err := g.Wait(); err != nil {
+		return nil, listError(err)
+	}
+	d.FirstPage = after == uuid.Nil
+	base := url.Values{}
+	for k, v := range map[string]string{"state": d.State, "provider": d.Provider, "location": d.Location, "q": d.Search} {
+		if v != "" {
+			base.Set(k, v)
+		}
+	}
+	if d.Decom {
+		base.Set("decommissioned", "on")
+	}
+	d.FirstURL = "/machines"
+	if len(base) > 0 {
+		d.FirstURL += "?" + base.Encode()
+	}
+	if next != uuid.Nil {
+		base.Set("after", next.String())
+		d.NextURL = "/machines?" + base.Encode()
+	}
+	return &view{Title: "Machines", Nav: "machines", Data: d}, nil
+}
+
+// listError turns the BMDB's refusal of a filter into a 400.
+func listError(err error) error {
+	if errors.Is(err, bmdb.ErrInvalidFilter) {
+		return badRequest("%v", err)
+	}
+	return err
+}
