@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"net/http/httptest"
 	"net/netip"
@@ -95,24 +94,8 @@ func TestEquinixLifecycle(t *testing.T) {
 	if err := syscall.Kill(readPid(t, pidFile(agents, dev.ID)), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	bmdbtest.WaitFor(t, 3*time.Minute, "the device rebooted through the API and Healthy with a new agent", func(ctx context.Context) (bool, error) {
-		if fake.Reboots(dev.ID) == 0 {
-			return false, nil
-		}
-		_, key, err := db.GetAgentStarted(ctx, m)
-		if err != nil || key.Equal(oldKey) {
-			return false, err
-		}
-		st, err := db.FleetStates(ctx, "equinix", 0, 5*time.Second)
-		return err == nil && st[bmdb.StateHealthy] == 1, err
-	})
-	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m, Process: bmdb.ProcessRecovery})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(h) == 0 || h[len(h)-1].Event != bmdb.EventFinished {
-		t.Errorf("the device's recovery history: %+v", h)
-	}
+	// Rebooted through the API, taken over again, Healthy with a new key.
+	waitRecovered(t, db, "equinix", m, oldKey, 1, func() bool { return fake.Reboots(dev.ID) > 0 })
 	if v := fake.Check(); len(v) > 0 {
 		t.Errorf("the client misbehaved towards the API: %v", v)
 	}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"crypto/ed25519"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
@@ -93,21 +95,7 @@ func runSSHEndToEnd(t *testing.T, kind sshtest.Kind) {
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	bmdbtest.WaitFor(t, 3*time.Minute, "m2 recovered with a new agent key", func(ctx context.Context) (bool, error) {
-		_, key, err := db.GetAgentStarted(ctx, m2)
-		if err != nil || key.Equal(oldKey) {
-			return false, err
-		}
-		st, err := db.FleetStates(ctx, "lab", 0, 5*time.Second)
-		return err == nil && st[bmdb.StateHealthy] == 3, err
-	})
-	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m2, Process: bmdb.ProcessRecovery})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(h) == 0 || h[len(h)-1].Event != bmdb.EventFinished {
-		t.Errorf("m2's recovery history: %+v", h)
-	}
+	waitRecovered(t, db, "lab", m2, oldKey, 3, nil)
 	if kind == sshtest.OpenSSH {
 		log, _ := os.ReadFile(hosts[1].LogPath())
 		if !strings.Contains(string(log), "Received SIGHUP") {
@@ -146,6 +134,32 @@ func runSSHEndToEnd(t *testing.T, kind sshtest.Kind) {
 	}
 	if st[bmdb.StateHealthy] != 2 {
 		t.Errorf("states after m3's host key changed: %v, want m1 and m2 still Healthy", st)
+	}
+}
+
+// waitRecovered waits until machine got a new agent (a key other than
+// oldKey) and the provider's fleet has healthy Healthy machines (and until
+// extra, if given, holds), then checks that the machine's recovery ended
+// Finished in history.
+func waitRecovered(t *testing.T, db *bmdbtest.DB, providerName string, machine uuid.UUID, oldKey ed25519.PublicKey, healthy int64, extra func() bool) {
+	t.Helper()
+	bmdbtest.WaitFor(t, 3*time.Minute, fmt.Sprintf("machine %s recovered, Healthy with a new agent key", machine), func(ctx context.Context) (bool, error) {
+		if extra != nil && !extra() {
+			return false, nil
+		}
+		_, key, err := db.GetAgentStarted(ctx, machine)
+		if err != nil || key.Equal(oldKey) {
+			return false, err
+		}
+		st, err := db.FleetStates(ctx, providerName, 0, 5*time.Second)
+		return err == nil && st[bmdb.StateHealthy] == healthy, err
+	})
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: machine, Process: bmdb.ProcessRecovery})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h) == 0 || h[len(h)-1].Event != bmdb.EventFinished {
+		t.Errorf("recovery history of machine %s: %+v", machine, h)
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"sync"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -40,8 +39,6 @@ type devEquinix struct {
 
 	// slots maps a simulated machine's address to its id.
 	slots map[netip.Addr]string
-	mu    sync.Mutex
-	used  map[string]bool
 }
 
 var (
@@ -70,7 +67,7 @@ func devEquinixFactory(machines int, simYAML string) provider.Factory {
 		if err != nil {
 			return nil, err
 		}
-		d := &devEquinix{hw: hw, slots: map[netip.Addr]string{}, used: map[string]bool{}}
+		d := &devEquinix{hw: hw, slots: map[netip.Addr]string{}}
 		addrs := make([]netip.Addr, len(ms))
 		for i, m := range ms {
 			addrs[i] = m.Addr().Addr()
@@ -145,20 +142,13 @@ func (d *devEquinix) slot(ctx context.Context, id string) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("dev equinix: device %s has no address of a simulated machine yet", id)
 	}
-	d.mu.Lock()
-	used := d.used[slot]
-	d.mu.Unlock()
-	if !used {
-		hm, err := d.hw.GetMachine(ctx, slot)
-		if err != nil {
-			return "", err
-		}
-		if _, err := d.hw.CreateMachine(ctx, provider.CreateRequest{From: hm}); err != nil {
-			return "", err
-		}
-		d.mu.Lock()
-		d.used[slot] = true
-		d.mu.Unlock()
+	// Creating a simulated machine that is up already returns it as it is.
+	hm, err := d.hw.GetMachine(ctx, slot)
+	if err != nil {
+		return "", err
+	}
+	if _, err := d.hw.CreateMachine(ctx, provider.CreateRequest{From: hm}); err != nil {
+		return "", err
 	}
 	return slot, nil
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -23,7 +22,6 @@ import (
 type equinixCLI struct {
 	configPath string
 	yes        bool
-	in         io.Reader // answers to confirmation prompts
 }
 
 func (e *equinixCLI) open() (*metal.Client, equinix.Config, error) {
@@ -51,7 +49,7 @@ func (e *equinixCLI) confirm(cmd *cobra.Command, what string) error {
 		return nil
 	}
 	fmt.Fprintf(cmd.ErrOrStderr(), "%s\nProceed? [y/N] ", what)
-	line, _ := bufio.NewReader(e.in).ReadString('\n')
+	line, _ := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
 	if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
 		return errors.New("not confirmed; nothing changed (pass --yes to skip the question)")
 	}
@@ -137,7 +135,6 @@ func newEquinixCommand() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				e.in = cmd.InOrStdin()
 				if err := e.confirm(cmd, fmt.Sprintf("%s %d device(s): %s?", verb, len(ids), strings.Join(ids, ", "))); err != nil {
 					return err
 				}
@@ -191,7 +188,6 @@ func newEquinixCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			e.in = cmd.InOrStdin()
 			if err := e.confirm(cmd, fmt.Sprintf("Move %d reservation(s) to project %s?", len(ids), moveTo)); err != nil {
 				return err
 			}
@@ -241,7 +237,6 @@ func newEquinixCommand() *cobra.Command {
 				fmt.Fprintf(cmd.OutOrStdout(), "project %s has no free reservations\n", yoinkFrom)
 				return nil
 			}
-			e.in = cmd.InOrStdin()
 			if err := e.confirm(cmd, fmt.Sprintf("Move %d free reservation(s) from project %s to %s?", len(ids), yoinkFrom, cfg.Project)); err != nil {
 				return err
 			}

@@ -50,12 +50,17 @@ func (f *databaseFlags) bind(cmd *cobra.Command) {
 
 // open opens the configured BMDB, or says how to configure one.
 func (f *databaseFlags) open(ctx context.Context, schema bmdb.SchemaPolicy) (*bmdb.DB, error) {
-	url := f.url
-	if url == "" {
-		url = os.Getenv("SHEPHERD_DATABASE_URL")
+	return f.openConfig(ctx, bmdb.Config{Schema: schema})
+}
+
+// openConfig opens the configured BMDB with cfg's other settings.
+func (f *databaseFlags) openConfig(ctx context.Context, cfg bmdb.Config) (*bmdb.DB, error) {
+	cfg.URL = f.url
+	if cfg.URL == "" {
+		cfg.URL = os.Getenv("SHEPHERD_DATABASE_URL")
 	}
-	if url == "" {
+	if cfg.URL == "" {
 		return nil, errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
 	}
-	return bmdb.Open(ctx, bmdb.Config{URL: url, Schema: schema})
+	return bmdb.Open(ctx, cfg)
 }

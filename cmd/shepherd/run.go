@@ -1,9 +1,7 @@
 package main
 
 import (
-	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -172,11 +170,7 @@ func newRunCommand() *cobra.Command {
 // registered on reg, which they serve on /metrics, and its events (lost
 // sessions, retried transactions) are logged to log.
 func (f *databaseFlags) openObserved(ctx context.Context, reg prometheus.Registerer, log *slog.Logger) (*bmdb.DB, error) {
-	url := cmp.Or(f.url, os.Getenv("SHEPHERD_DATABASE_URL"))
-	if url == "" {
-		return nil, errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
-	}
-	return bmdb.Open(ctx, bmdb.Config{URL: url, Schema: bmdb.SchemaMigrate, Registerer: reg, Logger: log})
+	return f.openConfig(ctx, bmdb.Config{Schema: bmdb.SchemaMigrate, Registerer: reg, Logger: log})
 }
 
 // defaultAgentPath is shepherd-agent next to the running binary.
