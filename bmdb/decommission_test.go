@@ -211,10 +211,14 @@ func TestDecommission(t *testing.T) {
 	if st[bmdb.StateDecommissioning] != 0 || st[bmdb.StateProvided] != 1 || len(st) != 1 {
 		t.Errorf("FleetStates() after the decommission = %v, want only the other machine, Provided", st)
 	}
-	// Its agent's key is worthless now.
-	res, err := db.RecordHeartbeats(t.Context(), []bmdb.Heartbeat{{MachineID: id, AgentKey: key}})
-	if err != nil || res[0].Accepted {
-		t.Errorf("heartbeat of the decommissioned machine: %+v, %v; want refused", res, err)
+	// Its agent's key is worthless now, and the agent is told to stop;
+	// another key is only refused.
+	res, err := db.RecordHeartbeats(t.Context(), []bmdb.Heartbeat{{MachineID: id, AgentKey: key}, {MachineID: id, AgentKey: newKey(t)}})
+	if err != nil || res[0].Accepted || !res[0].Retired {
+		t.Errorf("heartbeat of the decommissioned machine's agent: %+v, %v; want refused and retired", res, err)
+	}
+	if err == nil && (res[1].Accepted || res[1].Retired) {
+		t.Errorf("heartbeat with another key: %+v; want refused, not retired", res[1])
 	}
 	retired, err := db.DecommissionedProviderIDs(t.Context(), "p")
 	if _, ok := retired[providerID]; err != nil || !ok || len(retired) != 1 {
@@ -240,6 +244,7 @@ func TestSweepDecommissioned(t *testing.T) {
 	id := bmdbtest.AddMachine(t, db, f.s, "p")
 	old := bmdbtest.AddMachine(t, db, f.s, "p")
 	live := bmdbtest.AddMachine(t, db, f.s, "p")
+	f.started(live, time.Hour)
 	f.heartbeat(live, 0)
 	for _, m := range []uuid.UUID{id, old} {
 		f.tx(func(ctx context.Context, tx *bmdb.Tx) error {
@@ -247,14 +252,17 @@ func TestSweepDecommissioned(t *testing.T) {
 			return err
 		})
 		// What a heartbeat batch that authenticated before the
-		// decommission can still write after it.
-		db.Exec(t, "INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at) VALUES ($1, now())", m)
+		// decommission can still write after it: a hardware report. A
+		// heartbeat it cannot: a heartbeat needs its AgentStarted.
+		if _, err := db.Pool.Exec(t.Context(), "INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at) VALUES ($1, now())", m); err == nil {
+			t.Error("a heartbeat row was written for a decommissioned machine")
+		}
 		db.Exec(t, `INSERT INTO machine_hardware_report (machine_id, hardware_report_raw) VALUES ($1, '\x00')`, m)
 	}
 	db.Exec(t, "UPDATE machines SET decommissioned_at = now() - interval '1 day' WHERE machine_id = $1", old)
 	n, err := db.SweepDecommissioned(t.Context(), time.Hour)
-	if err != nil || n != 2 {
-		t.Fatalf("SweepDecommissioned() = %d, %v; want the 2 stray rows of the recent decommission", n, err)
+	if err != nil || n != 1 {
+		t.Fatalf("SweepDecommissioned() = %d, %v; want the stray row of the recent decommission", n, err)
 	}
 	if c := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_heartbeat WHERE machine_id = $1", live); c != 1 {
 		t.Error("the sweep took the heartbeat of a machine in the fleet")

@@ -2,6 +2,7 @@ package bmdb
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -41,4 +42,26 @@ func retryableCode(err error) string {
 		}
 	}
 	return ""
+}
+
+// isContentError reports whether the database refused a statement for the
+// values it was given (SQLSTATE classes 22, data exception, and 23,
+// integrity constraint violation) rather than because it failed: retrying
+// the same values cannot help, retrying without the culprit can.
+func isContentError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23")
+}
+
+// contentErrorText is the database's own message for a content error, which
+// names the problem without the values.
+func contentErrorText(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Message + " (SQLSTATE " + pgErr.Code + ")"
+	}
+	return err.Error()
 }

@@ -5,6 +5,8 @@ import (
 	"crypto/ed25519"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -40,9 +42,26 @@ type HeartbeatResult struct {
 	// heartbeat and its reports were recorded. A heartbeat for an unknown
 	// machine is simply not accepted, like one with a wrong key.
 	Accepted bool
+	// HardwareRecorded and InstallationRecorded acknowledge the reports
+	// the heartbeat carried: the agent sends them until they are.
+	// InstallationRecorded is the generation stored, 0 if none.
+	HardwareRecorded     bool
+	InstallationRecorded int64
 	// Pending is the installation the agent should carry out, if any.
 	Pending *PendingInstallation
+	// Retired means the key is the last agent key of a decommissioned
+	// machine: the agent should stop (it is not accepted).
+	Retired bool
+	// Err is set when the database refused this heartbeat for its content
+	// (it wraps ErrInvalidHeartbeat); the others of its batch were
+	// recorded regardless.
+	Err error
 }
+
+// ErrInvalidHeartbeat means the database refused a heartbeat for what it
+// carried. The callback server validates requests first, so this is a
+// last line of defence: one bad request must never fail its whole batch.
+var ErrInvalidHeartbeat = errors.New("bmdb: heartbeat refused by the database")
 
 // PendingInstallation is an installation request the agent has not reported on.
 type PendingInstallation struct {
@@ -50,34 +69,65 @@ type PendingInstallation struct {
 	Request    []byte // the request as stored (protobuf)
 }
 
-// RecordHeartbeats records a batch of heartbeats in one transaction and
-// returns one result per heartbeat, in order. Authentication happens inside
-// the statements that write: a heartbeat (and its reports) counts only if
-// AgentKey is the key the machine's agent answered the takeover with.
-// Duplicates in a batch are recorded once; reports of a duplicate come from
-// the last one.
+// RecordHeartbeats records a batch of heartbeats and returns one result per
+// heartbeat, in order. Authentication happens inside the statement that
+// writes: a heartbeat (and its reports) counts only if AgentKey is the key
+// the machine's agent answered the takeover with, and a report is stored
+// exactly when its heartbeat is. Duplicates in a batch are recorded once;
+// reports of a duplicate come from the last one.
+//
+// If the database refuses the batch for its content (a value it cannot
+// store, a heartbeat that raced a recovery), the batch is split and retried
+// until the heartbeats at fault are alone; they get Err, the others are
+// recorded. Only a failure of the database itself (unreachable, shutting
+// down) fails the whole call.
 func (db *DB) RecordHeartbeats(ctx context.Context, hbs []Heartbeat) ([]HeartbeatResult, error) {
+	out := make([]HeartbeatResult, len(hbs))
+	if err := db.recordIsolating(ctx, hbs, out); err != nil {
+		return nil, fmt.Errorf("bmdb: recording heartbeats: %w", err)
+	}
+	return out, nil
+}
+
+// recordIsolating records hbs into out, halving the batch whenever the
+// database refuses it for its content.
+func (db *DB) recordIsolating(ctx context.Context, hbs []Heartbeat, out []HeartbeatResult) error {
+	err := db.recordBatch(ctx, hbs, out)
+	if err == nil || !isContentError(err) {
+		return err
+	}
+	if len(hbs) == 1 {
+		out[0] = HeartbeatResult{Err: fmt.Errorf("%w: %s", ErrInvalidHeartbeat, contentErrorText(err))}
+		return nil
+	}
+	db.metrics.heartbeatSplits.Inc()
+	mid := len(hbs) / 2
+	if err := db.recordIsolating(ctx, hbs[:mid], out[:mid]); err != nil {
+		return err
+	}
+	return db.recordIsolating(ctx, hbs[mid:], out[mid:])
+}
+
+// recordBatch records hbs in one statement and fills out.
+func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatResult) error {
 	type pair struct {
 		machine uuid.UUID
 		key     string
 	}
 	index := make(map[pair]int32, len(hbs)) // pair -> ordinal in the batch arrays
 	slot := make([]int32, len(hbs))         // heartbeat -> ordinal
-	var (
-		hb  model.HeartbeatBatchParams
-		ord []int32
-		hw  = map[int32]*HardwareReport{}
-		ins = map[int32]*InstallationReport{}
-	)
+	var p model.HeartbeatRecordParams
+	hw := map[int32]*HardwareReport{}
+	ins := map[int32]*InstallationReport{}
 	for i, h := range hbs {
-		p := pair{h.MachineID, string(h.AgentKey)}
-		o, ok := index[p]
+		k := pair{h.MachineID, string(h.AgentKey)}
+		o, ok := index[k]
 		if !ok {
-			o = int32(len(ord))
-			index[p] = o
-			ord = append(ord, o)
-			hb.MachineIds = append(hb.MachineIds, h.MachineID)
-			hb.PublicKeys = append(hb.PublicKeys, h.AgentKey)
+			o = int32(len(p.Ordinals))
+			index[k] = o
+			p.Ordinals = append(p.Ordinals, o)
+			p.MachineIds = append(p.MachineIds, h.MachineID)
+			p.PublicKeys = append(p.PublicKeys, h.AgentKey)
 		}
 		slot[i] = o
 		if h.Hardware != nil {
@@ -87,74 +137,86 @@ func (db *DB) RecordHeartbeats(ctx context.Context, hbs []Heartbeat) ([]Heartbea
 			ins[o] = h.Installation
 		}
 	}
-	hb.Ordinals = ord
+	// The statement writes rows in machine id order whatever the order of
+	// the arrays; the reports are listed by ordinal only to be deterministic.
+	for _, o := range slices.Sorted(maps.Keys(hw)) {
+		r := hw[o]
+		p.HwOrdinals = append(p.HwOrdinals, o)
+		p.HwRaws = append(p.HwRaws, r.Raw)
+		p.HwCpuThreads = append(p.HwCpuThreads, r.CPUThreads)
+		p.HwMemoryBytes = append(p.HwMemoryBytes, r.MemoryBytes)
+		p.HwDiskCounts = append(p.HwDiskCounts, r.DiskCount)
+		p.HwDiskBytes = append(p.HwDiskBytes, r.DiskBytes)
+	}
+	for _, o := range slices.Sorted(maps.Keys(ins)) {
+		r := ins[o]
+		p.InsOrdinals = append(p.InsOrdinals, o)
+		p.InsGenerations = append(p.InsGenerations, r.Generation)
+		p.InsSuccesses = append(p.InsSuccesses, r.Success)
+		p.InsErrorMessages = append(p.InsErrorMessages, r.Error)
+		p.InsRaws = append(p.InsRaws, r.Raw)
+	}
 
-	var rows []model.HeartbeatBatchRow
-	record := func(ctx context.Context, q *model.Queries) error {
-		if len(hw) > 0 {
-			var p model.HardwareReportBatchParams
-			for o, r := range hw {
-				p.MachineIds = append(p.MachineIds, hb.MachineIds[o])
-				p.PublicKeys = append(p.PublicKeys, hb.PublicKeys[o])
-				p.Raws = append(p.Raws, r.Raw)
-				p.CpuThreads = append(p.CpuThreads, r.CPUThreads)
-				p.MemoryBytes = append(p.MemoryBytes, r.MemoryBytes)
-				p.DiskCounts = append(p.DiskCounts, r.DiskCount)
-				p.DiskBytes = append(p.DiskBytes, r.DiskBytes)
-			}
-			if _, err := q.HardwareReportBatch(ctx, p); err != nil {
-				return fmt.Errorf("storing hardware reports: %w", err)
-			}
-		}
-		if len(ins) > 0 {
-			var p model.InstallationReportBatchParams
-			for o, r := range ins {
-				p.MachineIds = append(p.MachineIds, hb.MachineIds[o])
-				p.PublicKeys = append(p.PublicKeys, hb.PublicKeys[o])
-				p.Generations = append(p.Generations, r.Generation)
-				p.Successes = append(p.Successes, r.Success)
-				p.ErrorMessages = append(p.ErrorMessages, r.Error)
-				p.Raws = append(p.Raws, r.Raw)
-			}
-			if _, err := q.InstallationReportBatch(ctx, p); err != nil {
-				return fmt.Errorf("storing installation reports: %w", err)
-			}
-		}
+	var rows []model.HeartbeatRecordRow
+	err := db.retry(ctx, func(ctx context.Context) error {
 		var err error
-		rows, err = q.HeartbeatBatch(ctx, hb)
-		if err != nil {
-			return fmt.Errorf("recording heartbeats: %w", err)
-		}
-		return nil
-	}
-	var err error
-	if len(hw) == 0 && len(ins) == 0 {
-		// The common case is one statement: no BEGIN and COMMIT round trips.
-		err = db.retry(ctx, func(ctx context.Context) error { return record(ctx, db.q) })
-	} else {
-		err = db.transact(ctx, record)
-	}
+		rows, err = db.q.HeartbeatRecord(ctx, p)
+		return err
+	})
 	if err != nil {
-		return nil, fmt.Errorf("bmdb: %w", err)
+		return err
 	}
-	byOrdinal := make([]*HeartbeatResult, len(ord))
+	byOrdinal := make([]*HeartbeatResult, len(p.Ordinals))
 	for _, r := range rows {
-		if r.Ordinal < 0 || int(r.Ordinal) >= len(ord) {
-			return nil, fmt.Errorf("bmdb: recording heartbeats: database returned ordinal %d of %d", r.Ordinal, len(ord))
+		if r.Ordinal < 0 || int(r.Ordinal) >= len(byOrdinal) {
+			return fmt.Errorf("database returned ordinal %d of %d", r.Ordinal, len(byOrdinal))
 		}
-		res := &HeartbeatResult{Accepted: true}
+		res := &HeartbeatResult{Accepted: true, HardwareRecorded: r.HardwareRecorded}
+		if r.InstallationRecorded != nil {
+			res.InstallationRecorded = *r.InstallationRecorded
+		}
 		if r.PendingGeneration != nil {
 			res.Pending = &PendingInstallation{Generation: *r.PendingGeneration, Request: r.PendingRequest}
 		}
 		byOrdinal[r.Ordinal] = res
 	}
-	out := make([]HeartbeatResult, len(hbs))
+	if len(rows) < len(byOrdinal) {
+		if err := db.markRetired(ctx, p, byOrdinal); err != nil {
+			return err
+		}
+	}
 	for i, o := range slot {
 		if r := byOrdinal[o]; r != nil {
 			out[i] = *r
+		} else {
+			out[i] = HeartbeatResult{}
 		}
 	}
-	return out, nil
+	return nil
+}
+
+// markRetired fills in the results of rejected pairs whose key is the last
+// agent key of a decommissioned machine. It costs a query only for batches
+// with rejections.
+func (db *DB) markRetired(ctx context.Context, p model.HeartbeatRecordParams, byOrdinal []*HeartbeatResult) error {
+	var q model.HeartbeatRetiredParams
+	for o, r := range byOrdinal {
+		if r == nil {
+			q.Ordinals = append(q.Ordinals, int32(o))
+			q.MachineIds = append(q.MachineIds, p.MachineIds[o])
+			q.PublicKeys = append(q.PublicKeys, p.PublicKeys[o])
+		}
+	}
+	retired, err := db.q.HeartbeatRetired(ctx, q)
+	if err != nil {
+		return fmt.Errorf("looking up retired agents: %w", err)
+	}
+	for _, o := range retired {
+		if o >= 0 && int(o) < len(byOrdinal) && byOrdinal[o] == nil {
+			byOrdinal[o] = &HeartbeatResult{Retired: true}
+		}
+	}
+	return nil
 }
 
 // Installation is the installation request and report of a machine.
@@ -267,4 +329,17 @@ func (db *DB) RequestInstallation(ctx context.Context, machine uuid.UUID, reques
 		return 0, err
 	}
 	return gen, nil
+}
+
+// AgentKeys calls fn with every machine's current agent key (AgentStarted).
+// The callback server reads them at start to know the fleet's keys.
+func (db *DB) AgentKeys(ctx context.Context, fn func(machine uuid.UUID, key ed25519.PublicKey)) error {
+	rows, err := db.q.AgentKeyList(ctx)
+	if err != nil {
+		return fmt.Errorf("bmdb: listing agent keys: %w", err)
+	}
+	for _, r := range rows {
+		fn(r.MachineID, ed25519.PublicKey(r.AgentPublicKey))
+	}
+	return nil
 }

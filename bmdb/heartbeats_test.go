@@ -61,12 +61,12 @@ func TestRecordHeartbeats(t *testing.T) {
 	}
 	pending := &bmdb.PendingInstallation{Generation: 1, Request: []byte("gen1")}
 	want := []bmdb.HeartbeatResult{
-		{Accepted: true, Pending: pending},
+		{Accepted: true, HardwareRecorded: true, Pending: pending},
 		{},
 		{},
 		{Accepted: true},
-		{Accepted: true, Pending: pending},
-		{Accepted: true},
+		{Accepted: true, HardwareRecorded: true, Pending: pending},
+		{Accepted: true, InstallationRecorded: 1},
 		{},
 	}
 	if diff := cmp.Diff(want, res); diff != "" {

@@ -25,6 +25,7 @@ type metrics struct {
 	workConflicts   *prometheus.CounterVec
 	workExpired     *prometheus.CounterVec
 	workQuarantined *prometheus.CounterVec
+	heartbeatSplits prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -77,11 +78,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "shepherd_bmdb_work_quarantined_total",
 			Help: "Machines quarantined for a process after too many failures in a row, by process.",
 		}, []string{"process"}),
+		heartbeatSplits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shepherd_bmdb_heartbeat_batch_splits_total",
+			Help: "Heartbeat batches the database refused for their content and that were split to find the heartbeats at fault.",
+		}),
 	}
 	cs := []prometheus.Collector{
 		m.sessionsStarted, m.sessionsClosed, m.sessionsLost, m.sessionsOpen, m.renewals,
 		m.transactions, m.txRetries,
-		m.workStarted, m.workEnded, m.workConflicts, m.workExpired, m.workQuarantined,
+		m.workStarted, m.workEnded, m.workConflicts, m.workExpired, m.workQuarantined, m.heartbeatSplits,
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {

@@ -3,19 +3,33 @@ package server
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/shepherd/shepherd/bmdb"
 )
 
-// batcher writes heartbeats that arrive together in one transaction. Each of
+// batcher writes heartbeats that arrive together in one statement. Each of
 // its flushers takes everything queued (up to maxBatch) as soon as it is
 // free, so batches grow with the load and a lone heartbeat waits for no one.
+//
+// Heartbeats come in two queues. Those of a (machine, key) pair the server
+// has seen accepted go to the verified queue, which is served first; all
+// others (a new agent's first heartbeats, and anything an unauthenticated
+// client sends) go to a bounded queue served with what room is left in a
+// batch. A client flooding the server with requests of keys the BMDB does
+// not know can therefore slow down only other unknown keys, never the
+// agents of the fleet, and a full queue refuses at once instead of letting
+// requests pile up in memory.
 type batcher struct {
-	db       *bmdb.DB
-	queue    chan *pendingBeat
-	maxBatch int
-	flushers int
-	metrics  *metrics
+	db           *bmdb.DB
+	verified     chan *pendingBeat
+	unverified   chan *pendingBeat
+	maxBatch     int
+	flushers     int
+	flushTimeout time.Duration
+	metrics      *metrics
+	failed       func(error) // told about every batch the database failed
+	recorded     func()      // told about every batch written
 }
 
 type pendingBeat struct {
@@ -28,15 +42,31 @@ type beatResult struct {
 	err error
 }
 
-var errStopped = errors.New("callback server is stopping")
+var (
+	errStopped = errors.New("callback server is stopping")
+	// errBusy means the queue of unverified heartbeats is full.
+	errBusy = errors.New("callback server is busy")
+)
 
-func newBatcher(db *bmdb.DB, maxBatch, flushers int, m *metrics) *batcher {
-	return &batcher{db: db, queue: make(chan *pendingBeat, 4*maxBatch), maxBatch: maxBatch, flushers: flushers, metrics: m}
+func newBatcher(db *bmdb.DB, maxBatch, flushers int, flushTimeout time.Duration, m *metrics) *batcher {
+	return &batcher{
+		db:           db,
+		verified:     make(chan *pendingBeat, 4*maxBatch),
+		unverified:   make(chan *pendingBeat, maxBatch),
+		maxBatch:     maxBatch,
+		flushers:     flushers,
+		flushTimeout: flushTimeout,
+		metrics:      m,
+		failed:       func(error) {},
+		recorded:     func() {},
+	}
 }
 
-// submit records one heartbeat and waits for its result. unbatched writes
-// it in a transaction of its own instead (the benchmark's baseline).
-func (b *batcher) submit(ctx context.Context, hb bmdb.Heartbeat, unbatched bool) (bmdb.HeartbeatResult, error) {
+// submit records one heartbeat and waits for its result. A verified
+// heartbeat waits for room in its queue; an unverified one is refused with
+// errBusy if its queue is full. unbatched writes it in a statement of its
+// own instead (the benchmark's baseline).
+func (b *batcher) submit(ctx context.Context, hb bmdb.Heartbeat, verified, unbatched bool) (bmdb.HeartbeatResult, error) {
 	if unbatched {
 		b.metrics.batchSize.Observe(1)
 		res, err := b.db.RecordHeartbeats(ctx, []bmdb.Heartbeat{hb})
@@ -46,10 +76,18 @@ func (b *batcher) submit(ctx context.Context, hb bmdb.Heartbeat, unbatched bool)
 		return res[0], nil
 	}
 	p := &pendingBeat{hb: hb, done: make(chan beatResult, 1)}
-	select {
-	case b.queue <- p:
-	case <-ctx.Done():
-		return bmdb.HeartbeatResult{}, ctx.Err()
+	if verified {
+		select {
+		case b.verified <- p:
+		case <-ctx.Done():
+			return bmdb.HeartbeatResult{}, ctx.Err()
+		}
+	} else {
+		select {
+		case b.unverified <- p:
+		default:
+			return bmdb.HeartbeatResult{}, errBusy
+		}
 	}
 	select {
 	case r := <-p.done:
@@ -73,11 +111,30 @@ func (b *batcher) run(ctx context.Context) {
 	}
 	for {
 		select {
-		case p := <-b.queue:
+		case p := <-b.verified:
+			p.done <- beatResult{err: errStopped}
+		case p := <-b.unverified:
 			p.done <- beatResult{err: errStopped}
 		default:
 			return
 		}
+	}
+}
+
+// next waits for the first heartbeat of a batch, verified ones first.
+func (b *batcher) next(ctx context.Context) (*pendingBeat, bool) {
+	select {
+	case p := <-b.verified:
+		return p, true
+	default:
+	}
+	select {
+	case <-ctx.Done():
+		return nil, false
+	case p := <-b.verified:
+		return p, true
+	case p := <-b.unverified:
+		return p, true
 	}
 }
 
@@ -86,16 +143,21 @@ func (b *batcher) flush(ctx context.Context) {
 	hbs := make([]bmdb.Heartbeat, 0, b.maxBatch)
 	for {
 		batch, hbs = batch[:0], hbs[:0]
-		select {
-		case <-ctx.Done():
+		p, ok := b.next(ctx)
+		if !ok {
 			return
-		case p := <-b.queue:
-			batch = append(batch, p)
 		}
+		batch = append(batch, p)
 	fill:
 		for len(batch) < b.maxBatch {
 			select {
-			case p := <-b.queue:
+			case p := <-b.verified:
+				batch = append(batch, p)
+				continue
+			default:
+			}
+			select {
+			case p := <-b.unverified:
 				batch = append(batch, p)
 			default:
 				break fill
@@ -105,9 +167,18 @@ func (b *batcher) flush(ctx context.Context) {
 			hbs = append(hbs, p.hb)
 		}
 		b.metrics.batchSize.Observe(float64(len(batch)))
-		// The batch is written even if the server is stopping meanwhile:
-		// its handlers are waiting for it.
-		res, err := b.db.RecordHeartbeats(context.WithoutCancel(ctx), hbs)
+		// The batch is written even if the server is stopping meanwhile
+		// (its handlers are waiting for it), but never for longer than the
+		// flush timeout: a database that stopped answering must not hold
+		// the batch, or the server's shutdown, for minutes.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.flushTimeout)
+		res, err := b.db.RecordHeartbeats(fctx, hbs)
+		cancel()
+		if err != nil {
+			b.failed(err)
+		} else {
+			b.recorded()
+		}
 		for i, p := range batch {
 			if err != nil {
 				p.done <- beatResult{err: err}

@@ -13,8 +13,9 @@ import (
 )
 
 // TestHeartbeatOfDecommissionedMachine: once a machine is decommissioned,
-// its agent's heartbeats are refused as Unauthenticated (the agent key went
-// with AgentStarted) and change nothing, while other agents carry on.
+// its agent's heartbeats are refused with PermissionDenied, which tells the
+// agent to stop (the BMDB keeps its last key for that), and change nothing,
+// while other agents carry on. Any other key is only Unauthenticated.
 func TestHeartbeatOfDecommissionedMachine(t *testing.T) {
 	t.Parallel()
 	e := start(t, server.Config{})
@@ -37,14 +38,17 @@ func TestHeartbeatOfDecommissionedMachine(t *testing.T) {
 	}
 	before := e.rows(gone)
 	_, err = e.heartbeat(goneClient, &agentv1.HeartbeatRequest{MachineId: gone.String(), HardwareReport: &agentv1.HardwareReport{MemoryBytes: 1 << 30}})
-	if connect.CodeOf(err) != connect.CodeUnauthenticated {
-		t.Errorf("heartbeat of the decommissioned machine: %v, want Unauthenticated", err)
+	if connect.CodeOf(err) != connect.CodePermissionDenied {
+		t.Errorf("heartbeat of the decommissioned machine: %v, want PermissionDenied", err)
 	}
 	if after := e.rows(gone); after != "-|-|-" || before != after {
 		t.Errorf("rows of the decommissioned machine: %q before the refused heartbeat, %q after; want none", before, after)
 	}
-	if got := rejected(t, e.reg)["unauthenticated"]; got != 1 {
-		t.Errorf("rejected{reason=unauthenticated} = %v, want 1", got)
+	if _, err := e.heartbeat(e.client(gone, e.startAgentKeyOnly()), &agentv1.HeartbeatRequest{MachineId: gone.String()}); connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("heartbeat of the decommissioned machine with another key: %v, want Unauthenticated", err)
+	}
+	if got := rejected(t, e.reg); got["retired"] != 1 || got["unauthenticated"] != 1 {
+		t.Errorf("rejected = %v, want retired 1 and unauthenticated 1", got)
 	}
 	if _, err := e.heartbeat(staysClient, &agentv1.HeartbeatRequest{MachineId: stays.String()}); err != nil {
 		t.Errorf("heartbeat of another machine: %v", err)

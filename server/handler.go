@@ -7,7 +7,10 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc"
@@ -36,18 +39,44 @@ const (
 	reasonInvalid         = "invalid_argument"
 	reasonTooLarge        = "too_large"
 	reasonUnavailable     = "unavailable"
-	reasonOther           = "other"
+	// reasonBusy: the queue of heartbeats of unverified keys was full.
+	reasonBusy = "busy"
+	// reasonThrottled: the connection had too many requests of unverified
+	// keys in flight.
+	reasonThrottled = "throttled"
+	// reasonRetired: the agent of a decommissioned machine, told to stop.
+	reasonRetired = "retired"
+	reasonOther   = "other"
 )
 
 var rejectReasons = []string{
 	reasonNoCertificate, reasonUnsupportedKey, reasonUnauthenticated, reasonInvalid,
-	reasonTooLarge, reasonUnavailable, reasonOther,
+	reasonTooLarge, reasonUnavailable, reasonBusy, reasonThrottled, reasonRetired, reasonOther,
 }
+
+// retryPushbackKey is the gRPC trailer that tells a client when to retry
+// (gRPC's retry pushback, in milliseconds). The agent retries an Unavailable
+// that carries it promptly, as told, instead of backing off as if the
+// network were down.
+const retryPushbackKey = "grpc-retry-pushback-ms"
 
 // errUnauthenticated is the one answer for an unknown machine and for a key
 // that is not the machine's: telling them apart would let anyone probe which
 // machine ids exist.
 var errUnauthenticated = status.Error(codes.Unauthenticated, "unknown machine or wrong agent key")
+
+// errRetired tells the agent of a decommissioned machine (authenticated by
+// its last key) that it is no longer wanted: the agent stops instead of
+// retrying for ever.
+var errRetired = status.Error(codes.PermissionDenied, "machine decommissioned: the agent is retired and should stop")
+
+// peerAddr is the client's address, for log lines.
+func peerAddr(ctx context.Context) string {
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		return p.Addr.String()
+	}
+	return ""
+}
 
 // heartbeatService describes the AgentCallbackService of agent.proto to
 // grpc-go. It is written here rather than generated so that the handler
@@ -105,7 +134,10 @@ func (codec) Unmarshal(data mem.BufferSlice, v any) error {
 
 type ctxKey int
 
-const outcomeKey ctxKey = iota
+const (
+	outcomeKey ctxKey = iota
+	connStateKey
+)
 
 // outcome is what the handler decided about one RPC, for the metrics; it
 // stays empty when the request never reached the handler.
@@ -153,8 +185,13 @@ func (o *observer) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	}
 }
 
-func (o *observer) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
-func (o *observer) HandleConn(context.Context, stats.ConnStats)                       {}
+// TagConn gives every connection its state; grpc-go derives the contexts of
+// the connection's RPCs from the context returned here.
+func (o *observer) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return context.WithValue(ctx, connStateKey, &connState{})
+}
+
+func (o *observer) HandleConn(context.Context, stats.ConnStats) {}
 
 // heartbeatHandler implements the AgentCallbackService.
 type heartbeatHandler struct {
@@ -182,22 +219,56 @@ func (h *heartbeatHandler) heartbeat(ctx context.Context, body rawMessage) (*age
 	hb, err := parseHeartbeat(&req, key)
 	if err != nil {
 		o.reason = reasonInvalid
+		h.s.throttle.Log(ctx, slog.LevelWarn, reasonInvalid, "invalid heartbeat request", "err", err)
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	res, err := h.s.batch.submit(ctx, hb, h.s.cfg.Unbatched)
-	if err != nil {
-		o.reason = reasonUnavailable
-		if ctx.Err() != nil {
-			return nil, status.FromContextError(ctx.Err()).Err()
+	verified := h.s.verified.has(hb.MachineID, key)
+	if cs, _ := ctx.Value(connStateKey).(*connState); !verified && cs != nil {
+		if !cs.acquire() {
+			o.reason = reasonThrottled
+			h.s.throttle.Log(ctx, slog.LevelWarn, reasonThrottled, "connection sends requests of unverified keys in parallel; refusing",
+				"peer", peerAddr(ctx))
+			return nil, status.Error(codes.ResourceExhausted, "too many requests in flight on this connection")
 		}
-		h.s.log.ErrorContext(ctx, "recording heartbeat", "machine_id", hb.MachineID.String(), "err", err)
-		return nil, status.Error(codes.Unavailable, "recording heartbeat failed; try again")
+		defer cs.release()
 	}
-	if !res.Accepted {
+	res, err := h.s.batch.submit(ctx, hb, verified, h.s.cfg.Unbatched)
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		o.reason = reasonUnavailable
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case errors.Is(err, errBusy):
+		o.reason = reasonBusy
+		h.s.throttle.Log(ctx, slog.LevelWarn, reasonBusy, "too many heartbeats of unverified keys queued; refusing")
+		return nil, h.s.unavailable(ctx, "busy; try again")
+	default:
+		o.reason = reasonUnavailable
+		h.s.throttle.Log(ctx, slog.LevelError, reasonUnavailable, "recording heartbeats failed",
+			"machine_id", hb.MachineID.String(), "err", err)
+		return nil, h.s.unavailable(ctx, "recording heartbeat failed; try again")
+	}
+	h.s.verified.learn(hb.MachineID, key, res.Accepted)
+	switch {
+	case res.Err != nil:
+		o.reason = reasonInvalid
+		h.s.throttle.Log(ctx, slog.LevelWarn, reasonInvalid, "the database refused a heartbeat",
+			"machine_id", hb.MachineID.String(), "err", res.Err)
+		return nil, status.Error(codes.InvalidArgument, "the heartbeat's content cannot be stored")
+	case res.Retired:
+		o.reason = reasonRetired
+		h.s.throttle.Log(ctx, slog.LevelInfo, reasonRetired, "telling the agent of a decommissioned machine to stop",
+			"machine_id", hb.MachineID.String())
+		return nil, errRetired
+	case !res.Accepted:
 		o.reason = reasonUnauthenticated
 		return nil, errUnauthenticated
 	}
-	resp := &agentv1.HeartbeatResponse{NextHeartbeatIn: durationpb.New(h.s.cfg.HeartbeatInterval)}
+	resp := &agentv1.HeartbeatResponse{
+		NextHeartbeatIn:            durationpb.New(h.s.cfg.HeartbeatInterval),
+		HardwareReportRecorded:     res.HardwareRecorded,
+		InstallationReportRecorded: res.InstallationRecorded,
+	}
 	if p := res.Pending; p != nil {
 		var ir agentv1.OSInstallationRequest
 		if err := proto.Unmarshal(p.Request, &ir); err != nil {
@@ -266,7 +337,7 @@ func parseHeartbeat(m *agentv1.HeartbeatRequest, key ed25519.PublicKey) (bmdb.He
 		case *agentv1.OSInstallationReport_Success:
 			in.Success = true
 		case *agentv1.OSInstallationReport_Error:
-			in.Error = truncate(res.Error.GetMessage(), 4096)
+			in.Error = storableText(res.Error.GetMessage(), maxErrorText)
 		default:
 			return bmdb.Heartbeat{}, errors.New("installation_report has neither success nor error")
 		}
@@ -278,11 +349,32 @@ func parseHeartbeat(m *agentv1.HeartbeatRequest, key ed25519.PublicKey) (bmdb.He
 	return hb, nil
 }
 
+// maxErrorText bounds an installation error as stored (the report's raw
+// protobuf keeps the whole text).
+const maxErrorText = 4096
+
+// storableText makes text from an agent storable in a PostgreSQL text
+// column: valid UTF-8 without NUL bytes (PostgreSQL refuses both, and would
+// refuse the whole batch with them), at most n bytes, cut on a character
+// boundary with "..." marking the cut.
+func storableText(s string, n int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
+	return truncate(s, n)
+}
+
+// truncate cuts s to at most n bytes on a character boundary, ending in
+// "..." if it was cut.
 func truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
-	return s[:n] + "..."
+	const mark = "..."
+	cut := max(n-len(mark), 0)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
 }
 
 func readPEMCertificate(path string) ([]byte, error) {

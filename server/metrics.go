@@ -12,6 +12,8 @@ type metrics struct {
 	rejected  *prometheus.CounterVec
 	batchSize prometheus.Histogram
 	latency   prometheus.Histogram
+	// connsRefused counts connections closed at once for being over a limit.
+	connsRefused *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -34,14 +36,21 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help:    "Time to answer a heartbeat request, from the request to the response.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}),
+		connsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shepherd_server_connections_refused_total",
+			Help: "Client connections closed at once because a limit was reached, by limit (total, per_ip).",
+		}, []string{"limit"}),
 	}
-	for _, c := range []prometheus.Collector{m.accepted, m.rejected, m.batchSize, m.latency} {
+	for _, c := range []prometheus.Collector{m.accepted, m.rejected, m.batchSize, m.latency, m.connsRefused} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("server: registering metrics: %w", err)
 		}
 	}
 	for _, r := range rejectReasons {
 		m.rejected.WithLabelValues(r)
+	}
+	for _, l := range []string{"total", "per_ip"} {
+		m.connsRefused.WithLabelValues(l)
 	}
 	return m, nil
 }

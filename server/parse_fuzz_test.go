@@ -2,7 +2,9 @@ package server
 
 import (
 	"crypto/ed25519"
+	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/proto"
@@ -25,6 +27,8 @@ func FuzzParseHeartbeat(f *testing.F) {
 		{MachineId: id, InstallationReport: &agentv1.OSInstallationReport{Generation: 3,
 			Result: &agentv1.OSInstallationReport_Error{Error: &agentv1.InstallationError{Message: "checksum mismatch"}}}},
 		{MachineId: "not-a-uuid"},
+		{MachineId: id, InstallationReport: &agentv1.OSInstallationReport{Generation: 1,
+			Result: &agentv1.OSInstallationReport_Error{Error: &agentv1.InstallationError{Message: "a\x00b" + strings.Repeat("€", 2000)}}}},
 	}
 	for _, s := range seeds {
 		b, err := proto.Marshal(s)
@@ -63,6 +67,33 @@ func FuzzParseHeartbeat(f *testing.F) {
 			if in.Generation <= 0 || in.Success == (in.Error != "" || req.GetInstallationReport().GetError() != nil) {
 				t.Fatalf("installation report %+v from %v", in, req.GetInstallationReport())
 			}
+			// The error is stored as PostgreSQL text: anything else would
+			// fail the whole batch it is written with.
+			if !utf8.ValidString(in.Error) || strings.ContainsRune(in.Error, 0) || len(in.Error) > maxErrorText {
+				t.Fatalf("installation error %q cannot be stored as text", in.Error)
+			}
 		}
 	})
+}
+
+func TestStorableText(t *testing.T) {
+	long := strings.Repeat("€", 2000) // 6,000 bytes of 3-byte characters
+	tests := []struct {
+		name, in, want string
+	}{
+		{"plain", "checksum mismatch", "checksum mismatch"},
+		{"NUL", "disk\x00gone", "disk\uFFFDgone"},
+		{"invalid UTF-8", "bad \xff byte", "bad \uFFFD byte"},
+		{"cut on a character boundary", long, long[:4092] + "..."},
+		{"exactly the limit", long[:4095] + "a", long[:4095] + "a"},
+	}
+	for _, tt := range tests {
+		got := storableText(tt.in, maxErrorText)
+		if got != tt.want {
+			t.Errorf("%s: storableText = %q (%d bytes), want %q (%d bytes)", tt.name, truncate(got, 40), len(got), truncate(tt.want, 40), len(tt.want))
+		}
+		if !utf8.ValidString(got) || len(got) > maxErrorText {
+			t.Errorf("%s: %d bytes, valid UTF-8 %v", tt.name, len(got), utf8.ValidString(got))
+		}
+	}
 }

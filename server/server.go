@@ -16,14 +16,20 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
+	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/devpki"
@@ -56,6 +62,26 @@ type Config struct {
 	MaxBatch int
 	// Flushers is how many batch transactions may run at once; default 4.
 	Flushers int
+	// FlushTimeout bounds one batch write; a database that stops answering
+	// fails the batch (its agents are told to retry) instead of holding it
+	// and the server's shutdown for as long as TCP takes to give up.
+	// Default 10s.
+	FlushTimeout time.Duration
+	// RetryPushback is how soon an agent told Unavailable (the database
+	// failed, or the server is busy) should try again; default 1s. Agents
+	// add jitter.
+	RetryPushback time.Duration
+	// MaxConnections bounds open client connections; further ones are
+	// closed at once. Default: the process's open-file limit less 1,024
+	// (for database connections, logs and the rest), at least 64.
+	MaxConnections int
+	// MaxConnectionsPerIP bounds open connections from one IP address, so
+	// that one client cannot take every slot; default 4,096, which leaves
+	// room for whole racks behind one NAT address.
+	MaxConnectionsPerIP int
+	// MaxStreamsPerConnection bounds concurrent RPCs on one HTTP/2
+	// connection (an agent has one at a time); default 16.
+	MaxStreamsPerConnection int
 	// Unbatched writes every heartbeat in its own transaction. It exists as
 	// the baseline `make bench` compares batching against.
 	Unbatched bool
@@ -80,6 +106,16 @@ func (c Config) Validate() error {
 		return fmt.Errorf("server: MaxBatch must be >= 0 (0 = default), got %d", c.MaxBatch)
 	case c.Flushers < 0:
 		return fmt.Errorf("server: Flushers must be >= 0 (0 = default), got %d", c.Flushers)
+	case c.FlushTimeout < 0:
+		return fmt.Errorf("server: FlushTimeout must be >= 0 (0 = default), got %s", c.FlushTimeout)
+	case c.RetryPushback < 0:
+		return fmt.Errorf("server: RetryPushback must be >= 0 (0 = default), got %s", c.RetryPushback)
+	case c.MaxConnections < 0:
+		return fmt.Errorf("server: MaxConnections must be >= 0 (0 = default), got %d", c.MaxConnections)
+	case c.MaxConnectionsPerIP < 0:
+		return fmt.Errorf("server: MaxConnectionsPerIP must be >= 0 (0 = default), got %d", c.MaxConnectionsPerIP)
+	case c.MaxStreamsPerConnection < 0:
+		return fmt.Errorf("server: MaxStreamsPerConnection must be >= 0 (0 = default), got %d", c.MaxStreamsPerConnection)
 	}
 	return nil
 }
@@ -93,6 +129,10 @@ type Server struct {
 	tls     *tls.Config
 	ca      []byte
 	batch   *batcher
+	// verified are the keys whose heartbeats are served first.
+	verified *verifiedKeys
+	// throttle bounds the log lines about rejected requests.
+	throttle *logThrottle
 
 	mu       sync.Mutex
 	listener net.Listener
@@ -109,6 +149,11 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, 1<<20)
 	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, 1000)
 	cfg.Flushers = cmp.Or(cfg.Flushers, 4)
+	cfg.FlushTimeout = cmp.Or(cfg.FlushTimeout, 10*time.Second)
+	cfg.RetryPushback = cmp.Or(cfg.RetryPushback, time.Second)
+	cfg.MaxConnections = cmp.Or(cfg.MaxConnections, defaultMaxConnections())
+	cfg.MaxConnectionsPerIP = cmp.Or(cfg.MaxConnectionsPerIP, 4096)
+	cfg.MaxStreamsPerConnection = cmp.Or(cfg.MaxStreamsPerConnection, 16)
 	if len(cfg.Hosts) == 0 {
 		cfg.Hosts = []string{"localhost", "127.0.0.1", "::1"}
 		if h, err := os.Hostname(); err == nil && h != "" {
@@ -127,11 +172,12 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, db: db, log: log.With("component", "server"), metrics: m}
+	s := &Server{cfg: cfg, db: db, log: log.With("component", "server"), metrics: m, verified: newVerifiedKeys()}
+	s.throttle = newLogThrottle(s.log, 10*time.Second)
 	if err := s.loadTLS(); err != nil {
 		return nil, err
 	}
-	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, m)
+	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, cfg.FlushTimeout, m)
 	return s, nil
 }
 
@@ -180,7 +226,10 @@ func (s *Server) Listen() (net.Addr, error) {
 		if err != nil {
 			return nil, fmt.Errorf("server: listening on %s: %w", s.cfg.Listen, err)
 		}
-		s.listener = ln
+		s.listener = newLimitListener(ln, s.cfg.MaxConnections, s.cfg.MaxConnectionsPerIP, func(reason string) {
+			s.metrics.connsRefused.WithLabelValues(reason).Inc()
+			s.throttle.Log(context.Background(), slog.LevelWarn, "connections_"+reason, "refusing a connection over the limit", "limit", reason)
+		})
 	}
 	return s.listener.Addr(), nil
 }
@@ -198,8 +247,18 @@ func (s *Server) Run(ctx context.Context) error {
 		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes),
 		grpc.StatsHandler(&observer{m: s.metrics}),
 		grpc.ConnectionTimeout(10*time.Second),
+		grpc.MaxConcurrentStreams(uint32(s.cfg.MaxStreamsPerConnection)),
 	)
 	gs.RegisterService(&heartbeatService, &heartbeatHandler{s: s})
+
+	// The fleet's keys are read first, so that a restarted server serves
+	// its agents first from the start; without them (the database is down)
+	// it learns them from the heartbeats it records.
+	lctx, cancel := context.WithTimeout(ctx, s.cfg.FlushTimeout)
+	if err := s.verified.load(lctx, s.db); err != nil {
+		s.log.WarnContext(ctx, "reading the fleet's agent keys; learning them from heartbeats instead", "err", err)
+	}
+	cancel()
 
 	batchCtx, stopBatch := context.WithCancel(context.WithoutCancel(ctx))
 	batchDone := make(chan struct{})
@@ -238,4 +297,22 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	s.log.InfoContext(ctx, "callback server stopped")
 	return runErr
+}
+
+// unavailable is the answer to a heartbeat that could not be recorded now:
+// Unavailable, with gRPC's retry pushback telling the agent to try again
+// soon rather than to back off as if the network were down.
+func (s *Server) unavailable(ctx context.Context, msg string) error {
+	_ = grpc.SetTrailer(ctx, metadata.Pairs(retryPushbackKey, strconv.FormatInt(s.cfg.RetryPushback.Milliseconds(), 10)))
+	return status.Error(codes.Unavailable, msg)
+}
+
+// defaultMaxConnections leaves 1,024 descriptors of the process's limit for
+// everything but client connections.
+func defaultMaxConnections() int {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil || rl.Cur > math.MaxInt32 {
+		return 1 << 20
+	}
+	return max(int(rl.Cur)-1024, 64)
 }

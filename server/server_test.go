@@ -68,6 +68,16 @@ func (e *env) startAgent(id uuid.UUID) ed25519.PrivateKey {
 	return priv
 }
 
+// startAgentKeyOnly returns a fresh agent key that no machine has.
+func (e *env) startAgentKeyOnly() ed25519.PrivateKey {
+	e.t.Helper()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return priv
+}
+
 // client connects with key (nil: no client certificate).
 func (e *env) client(id uuid.UUID, key ed25519.PrivateKey) agentv1connect.AgentCallbackServiceClient {
 	e.t.Helper()

@@ -34,6 +34,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/pgserver"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
 )
 
 // EnvDatabaseURL names the environment variable that points the harness at
@@ -93,7 +94,9 @@ func (c *cluster) start() error {
 	defer cancel()
 	adminURL := os.Getenv(EnvDatabaseURL)
 	if adminURL == "" {
-		srv, err := pgserver.Start(ctx, pgserver.Config{})
+		// TCP too, so that tests can put a misbehaving proxy between
+		// Shepherd and the database (NewBehindProxy).
+		srv, err := pgserver.Start(ctx, pgserver.Config{TCP: true})
 		if err != nil {
 			if errors.Is(err, pgserver.ErrNotInstalled) {
 				return fmt.Errorf("the BMDB tests need a PostgreSQL server (or %s pointing at one): %w", EnvDatabaseURL, err)
@@ -233,6 +236,51 @@ func NewWithConfig(t testing.TB, cfg bmdb.Config) *DB {
 		db.Close()
 	})
 	return &DB{DB: db, URL: cfg.URL, Pool: pool}
+}
+
+// NewBehindProxy is NewWithConfig, except that the BMDB reaches the database
+// through a TCP proxy the test controls (black-hole it, reset it), while
+// DB.Pool still connects directly. The proxy is closed when the test ends.
+func NewBehindProxy(t testing.TB, cfg bmdb.Config) (*DB, *tcpproxy.Proxy) {
+	t.Helper()
+	direct := NewDatabase(t)
+	u, err := url.Parse(direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := u.Host
+	if shared.server != nil {
+		target = fmt.Sprintf("127.0.0.1:%d", shared.server.Port())
+	}
+	if target == "" {
+		t.Fatalf("bmdbtest: %s connects over a unix socket; a proxy needs TCP", EnvDatabaseURL)
+	}
+	proxy, err := tcpproxy.Start(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	via := *u
+	via.Host = proxy.Addr()
+	q := via.Query()
+	q.Del("host")
+	q.Del("port")
+	via.RawQuery = q.Encode()
+	cfg.URL = via.String()
+	db, err := bmdb.Open(t.Context(), cfg)
+	if err != nil {
+		proxy.Close()
+		t.Fatalf("bmdbtest: opening BMDB through the proxy: %v", err)
+	}
+	pool, err := pgxpool.New(t.Context(), direct)
+	if err != nil {
+		t.Fatalf("bmdbtest: connecting: %v", err)
+	}
+	t.Cleanup(func() {
+		pool.Close()
+		proxy.Close()
+		db.Close()
+	})
+	return &DB{DB: db, URL: direct, Pool: pool}, proxy
 }
 
 // Exec runs a statement on the test's database and fails the test on error.

@@ -94,7 +94,7 @@ request AS (
     RETURNING d.requested_at, d.requested_by, d.reason
 ),
 agent_started AS (
-    DELETE FROM machine_agent_started t WHERE t.machine_id = $1 RETURNING t.machine_id
+    DELETE FROM machine_agent_started t WHERE t.machine_id = $1 RETURNING t.machine_id, t.agent_public_key
 ),
 agent_heartbeat AS (
     DELETE FROM machine_agent_heartbeat t WHERE t.machine_id = $1 RETURNING t.machine_id
@@ -116,11 +116,14 @@ backoffs AS (
 ),
 recorded AS (
     INSERT INTO decommissioned_machines (machine_id, provider, provider_id, provider_reservation_id,
-                                         provider_location, requested_at, requested_by, reason, released)
+                                         provider_location, requested_at, requested_by, reason, released,
+                                         agent_public_key)
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_location,
-           r.requested_at, COALESCE(r.requested_by, ''), COALESCE(r.reason, ''), $2::boolean
+           r.requested_at, COALESCE(r.requested_by, ''), COALESCE(r.reason, ''), $2::boolean,
+           a.agent_public_key
     FROM provided p
     LEFT JOIN request r ON true
+    LEFT JOIN agent_started a ON true
     RETURNING machine_id
 ),
 marked AS (
@@ -157,7 +160,8 @@ type MachineDecommissionRow struct {
 // host key, decommission request) and every backoff of the machine, keeps
 // what the Provided tag and the request said in decommissioned_machines,
 // and sets machines.decommissioned_at. The machines row and its history
-// stay. Data-modifying CTEs all run to completion, read or not. No row: the
+// stay; so does the last agent key, so that the agent can be told to stop
+// (HeartbeatRetired). Data-modifying CTEs all run to completion, read or not. No row: the
 // machine has no Provided tag (unknown, or decommissioned already).
 func (q *Queries) MachineDecommission(ctx context.Context, arg MachineDecommissionParams) (MachineDecommissionRow, error) {
 	row := q.db.QueryRow(ctx, machineDecommission, arg.MachineID, arg.Released)

@@ -12,51 +12,34 @@ import (
 	"github.com/google/uuid"
 )
 
-const hardwareReportBatch = `-- name: HardwareReportBatch :execrows
-INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
-SELECT s.machine_id, r.raw, now(), r.cpu_threads, r.memory_bytes, r.disk_count, r.disk_bytes
-FROM (
-    SELECT unnest($1::uuid[]) AS machine_id, unnest($2::bytea[]) AS public_key,
-           unnest($3::bytea[]) AS raw, unnest($4::integer[]) AS cpu_threads,
-           unnest($5::bigint[]) AS memory_bytes, unnest($6::integer[]) AS disk_count,
-           unnest($7::bigint[]) AS disk_bytes
-) r
-JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
-ON CONFLICT (machine_id) DO UPDATE
-SET hardware_report_raw = EXCLUDED.hardware_report_raw,
-    reported_at = EXCLUDED.reported_at,
-    cpu_threads = EXCLUDED.cpu_threads,
-    memory_bytes = EXCLUDED.memory_bytes,
-    disk_count = EXCLUDED.disk_count,
-    disk_bytes = EXCLUDED.disk_bytes
+const agentKeyList = `-- name: AgentKeyList :many
+SELECT machine_id, agent_public_key FROM machine_agent_started
 `
 
-type HardwareReportBatchParams struct {
-	MachineIds  []uuid.UUID
-	PublicKeys  [][]byte
-	Raws        [][]byte
-	CpuThreads  []int32
-	MemoryBytes []int64
-	DiskCounts  []int32
-	DiskBytes   []int64
+type AgentKeyListRow struct {
+	MachineID      uuid.UUID
+	AgentPublicKey []byte
 }
 
-// HardwareReportBatch stores the hardware reports of authenticated agents
-// (same authentication as HeartbeatBatch), with the values queries need.
-func (q *Queries) HardwareReportBatch(ctx context.Context, arg HardwareReportBatchParams) (int64, error) {
-	result, err := q.db.Exec(ctx, hardwareReportBatch,
-		arg.MachineIds,
-		arg.PublicKeys,
-		arg.Raws,
-		arg.CpuThreads,
-		arg.MemoryBytes,
-		arg.DiskCounts,
-		arg.DiskBytes,
-	)
+// AgentKeyList returns every machine's current agent key.
+func (q *Queries) AgentKeyList(ctx context.Context) ([]AgentKeyListRow, error) {
+	rows, err := q.db.Query(ctx, agentKeyList)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return result.RowsAffected(), nil
+	defer rows.Close()
+	items := []AgentKeyListRow{}
+	for rows.Next() {
+		var i AgentKeyListRow
+		if err := rows.Scan(&i.MachineID, &i.AgentPublicKey); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const hardwareReportGet = `-- name: HardwareReportGet :one
@@ -88,10 +71,10 @@ func (q *Queries) HardwareReportGet(ctx context.Context, machineID uuid.UUID) (H
 	return i, err
 }
 
-const heartbeatBatch = `-- name: HeartbeatBatch :many
+const heartbeatRecord = `-- name: HeartbeatRecord :many
 WITH req AS (
     -- Set-returning functions in a select list run in lockstep: row i pairs
-    -- the i-th ordinal, id and key.
+    -- the i-th element of every array.
     SELECT unnest($1::integer[]) AS ordinal, unnest($2::uuid[]) AS machine_id,
            unnest($3::bytea[]) AS public_key
 ),
@@ -102,53 +85,183 @@ authed AS (
 ),
 beat AS (
     INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
-    SELECT a.machine_id, now() FROM authed a
+    SELECT a.machine_id, now() FROM authed a ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at
     RETURNING machine_id
+),
+hw AS (
+    INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
+    SELECT a.machine_id, h.raw, now(), h.cpu_threads, h.memory_bytes, h.disk_count, h.disk_bytes
+    FROM (
+        SELECT unnest($4::integer[]) AS ordinal, unnest($5::bytea[]) AS raw,
+               unnest($6::integer[]) AS cpu_threads, unnest($7::bigint[]) AS memory_bytes,
+               unnest($8::integer[]) AS disk_count, unnest($9::bigint[]) AS disk_bytes
+    ) h
+    JOIN authed a ON a.ordinal = h.ordinal
+    ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET hardware_report_raw = EXCLUDED.hardware_report_raw,
+        reported_at = EXCLUDED.reported_at,
+        cpu_threads = EXCLUDED.cpu_threads,
+        memory_bytes = EXCLUDED.memory_bytes,
+        disk_count = EXCLUDED.disk_count,
+        disk_bytes = EXCLUDED.disk_bytes
+    RETURNING machine_id
+),
+ins AS (
+    INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
+    SELECT a.machine_id, i.generation, i.success, i.error_message, i.raw, now()
+    FROM (
+        SELECT unnest($10::integer[]) AS ordinal, unnest($11::bigint[]) AS generation,
+               unnest($12::boolean[]) AS success, unnest($13::text[]) AS error_message,
+               unnest($14::bytea[]) AS raw
+    ) i
+    JOIN authed a ON a.ordinal = i.ordinal
+    ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET generation = EXCLUDED.generation,
+        success = EXCLUDED.success,
+        error_message = EXCLUDED.error_message,
+        os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+        reported_at = EXCLUDED.reported_at
+    RETURNING machine_id, generation, success
+),
+forgotten_host_key AS (
+    DELETE FROM machine_ssh_host_key k
+    USING ins, machine_os_installation_request q
+    WHERE k.machine_id = ins.machine_id AND ins.success AND NOT k.pinned
+      AND q.machine_id = ins.machine_id AND q.generation = ins.generation
+    RETURNING k.machine_id
 )
 SELECT a.ordinal::integer AS ordinal,
+       (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
+       ins.generation AS installation_recorded,
        q.generation AS pending_generation,
        q.os_installation_request_raw AS pending_request
-FROM beat b
-JOIN authed a ON a.machine_id = b.machine_id
-LEFT JOIN machine_os_installation_request q ON q.machine_id = b.machine_id
+FROM authed a
+JOIN beat b ON b.machine_id = a.machine_id
+LEFT JOIN hw ON hw.machine_id = a.machine_id
+LEFT JOIN ins ON ins.machine_id = a.machine_id
+LEFT JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
+    AND q.generation IS DISTINCT FROM ins.generation
     AND NOT EXISTS (
         SELECT 1 FROM machine_os_installation_report ir
         WHERE ir.machine_id = q.machine_id AND ir.generation = q.generation)
 `
 
-type HeartbeatBatchParams struct {
+type HeartbeatRecordParams struct {
+	Ordinals         []int32
+	MachineIds       []uuid.UUID
+	PublicKeys       [][]byte
+	HwOrdinals       []int32
+	HwRaws           [][]byte
+	HwCpuThreads     []int32
+	HwMemoryBytes    []int64
+	HwDiskCounts     []int32
+	HwDiskBytes      []int64
+	InsOrdinals      []int32
+	InsGenerations   []int64
+	InsSuccesses     []bool
+	InsErrorMessages []string
+	InsRaws          [][]byte
+}
+
+type HeartbeatRecordRow struct {
+	Ordinal              int32
+	HardwareRecorded     bool
+	InstallationRecorded *int64
+	PendingGeneration    *int64
+	PendingRequest       []byte
+}
+
+// HeartbeatRecord records the heartbeats of many agents, and the reports
+// some of them carry, in one statement: one snapshot authenticates every
+// pair, so a report is stored exactly when its heartbeat is (a key
+// committed between two statements could accept the heartbeat but not its
+// report). Each (machine, key) pair is authenticated against AgentStarted:
+// only a pair whose key is the machine's current agent key counts, and its
+// heartbeat is recorded at database time. Rows are written in machine id
+// order, so that batches sharing machines cannot deadlock. The foreign key
+// of machine_agent_heartbeat makes a heartbeat that raced a recovery
+// (AgentStarted deleted after this statement's snapshot) fail instead of
+// leaving a heartbeat without its AgentStarted; the caller retries it alone.
+// A successful report of the current installation generation forgets the
+// machine's SSH host key recorded on first use: the new system has new host
+// keys (SPEC §3.3); a pinned key stays. It returns, per accepted ordinal
+// (a machine has one current key, so at most one pair per machine), what
+// was recorded and the machine's pending installation request: the current
+// request if no report of its generation exists (or arrives now).
+func (q *Queries) HeartbeatRecord(ctx context.Context, arg HeartbeatRecordParams) ([]HeartbeatRecordRow, error) {
+	rows, err := q.db.Query(ctx, heartbeatRecord,
+		arg.Ordinals,
+		arg.MachineIds,
+		arg.PublicKeys,
+		arg.HwOrdinals,
+		arg.HwRaws,
+		arg.HwCpuThreads,
+		arg.HwMemoryBytes,
+		arg.HwDiskCounts,
+		arg.HwDiskBytes,
+		arg.InsOrdinals,
+		arg.InsGenerations,
+		arg.InsSuccesses,
+		arg.InsErrorMessages,
+		arg.InsRaws,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []HeartbeatRecordRow{}
+	for rows.Next() {
+		var i HeartbeatRecordRow
+		if err := rows.Scan(
+			&i.Ordinal,
+			&i.HardwareRecorded,
+			&i.InstallationRecorded,
+			&i.PendingGeneration,
+			&i.PendingRequest,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const heartbeatRetired = `-- name: HeartbeatRetired :many
+SELECT r.ordinal::integer AS ordinal
+FROM (
+    SELECT unnest($1::integer[]) AS ordinal, unnest($2::uuid[]) AS machine_id,
+           unnest($3::bytea[]) AS public_key
+) r
+JOIN decommissioned_machines d ON d.machine_id = r.machine_id AND d.agent_public_key = r.public_key
+`
+
+type HeartbeatRetiredParams struct {
 	Ordinals   []int32
 	MachineIds []uuid.UUID
 	PublicKeys [][]byte
 }
 
-type HeartbeatBatchRow struct {
-	Ordinal           int32
-	PendingGeneration *int64
-	PendingRequest    []byte
-}
-
-// HeartbeatBatch records the heartbeats of many agents in one statement.
-// Each (machine, key) pair is authenticated inside the statement against
-// AgentStarted: only a pair whose key is the machine's current agent key
-// gets its heartbeat recorded, at database time. It returns the ordinals
-// of the accepted pairs (a machine has one current key, so at most one pair
-// per machine) with the machine's pending installation request: the current
-// request if no report of its generation exists yet.
-func (q *Queries) HeartbeatBatch(ctx context.Context, arg HeartbeatBatchParams) ([]HeartbeatBatchRow, error) {
-	rows, err := q.db.Query(ctx, heartbeatBatch, arg.Ordinals, arg.MachineIds, arg.PublicKeys)
+// HeartbeatRetired returns the ordinals of the pairs whose key is the last
+// agent key of a decommissioned machine: that agent is told to stop.
+func (q *Queries) HeartbeatRetired(ctx context.Context, arg HeartbeatRetiredParams) ([]int32, error) {
+	rows, err := q.db.Query(ctx, heartbeatRetired, arg.Ordinals, arg.MachineIds, arg.PublicKeys)
 	if err != nil {
 		return nil, err
 	}
 	defer rows.Close()
-	items := []HeartbeatBatchRow{}
+	items := []int32{}
 	for rows.Next() {
-		var i HeartbeatBatchRow
-		if err := rows.Scan(&i.Ordinal, &i.PendingGeneration, &i.PendingRequest); err != nil {
+		var ordinal int32
+		if err := rows.Scan(&ordinal); err != nil {
 			return nil, err
 		}
-		items = append(items, i)
+		items = append(items, ordinal)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, err
@@ -195,47 +308,4 @@ func (q *Queries) InstallationGet(ctx context.Context, machineID uuid.UUID) (Ins
 		&i.ReportedAt,
 	)
 	return i, err
-}
-
-const installationReportBatch = `-- name: InstallationReportBatch :execrows
-INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
-SELECT s.machine_id, r.generation, r.success, r.error_message, r.raw, now()
-FROM (
-    SELECT unnest($1::uuid[]) AS machine_id, unnest($2::bytea[]) AS public_key,
-           unnest($3::bigint[]) AS generation, unnest($4::boolean[]) AS success,
-           unnest($5::text[]) AS error_message, unnest($6::bytea[]) AS raw
-) r
-JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
-ON CONFLICT (machine_id) DO UPDATE
-SET generation = EXCLUDED.generation,
-    success = EXCLUDED.success,
-    error_message = EXCLUDED.error_message,
-    os_installation_report_raw = EXCLUDED.os_installation_report_raw,
-    reported_at = EXCLUDED.reported_at
-`
-
-type InstallationReportBatchParams struct {
-	MachineIds    []uuid.UUID
-	PublicKeys    [][]byte
-	Generations   []int64
-	Successes     []bool
-	ErrorMessages []string
-	Raws          [][]byte
-}
-
-// InstallationReportBatch stores the installation reports of authenticated
-// agents (same authentication as HeartbeatBatch).
-func (q *Queries) InstallationReportBatch(ctx context.Context, arg InstallationReportBatchParams) (int64, error) {
-	result, err := q.db.Exec(ctx, installationReportBatch,
-		arg.MachineIds,
-		arg.PublicKeys,
-		arg.Generations,
-		arg.Successes,
-		arg.ErrorMessages,
-		arg.Raws,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
 }

@@ -21,6 +21,7 @@ type DecommissionedMachine struct {
 	RequestedBy           string
 	Reason                string
 	Released              bool
+	AgentPublicKey        []byte
 }
 
 type Machine struct {

@@ -1,14 +1,24 @@
--- name: HeartbeatBatch :many
--- HeartbeatBatch records the heartbeats of many agents in one statement.
--- Each (machine, key) pair is authenticated inside the statement against
--- AgentStarted: only a pair whose key is the machine's current agent key
--- gets its heartbeat recorded, at database time. It returns the ordinals
--- of the accepted pairs (a machine has one current key, so at most one pair
--- per machine) with the machine's pending installation request: the current
--- request if no report of its generation exists yet.
+-- name: HeartbeatRecord :many
+-- HeartbeatRecord records the heartbeats of many agents, and the reports
+-- some of them carry, in one statement: one snapshot authenticates every
+-- pair, so a report is stored exactly when its heartbeat is (a key
+-- committed between two statements could accept the heartbeat but not its
+-- report). Each (machine, key) pair is authenticated against AgentStarted:
+-- only a pair whose key is the machine's current agent key counts, and its
+-- heartbeat is recorded at database time. Rows are written in machine id
+-- order, so that batches sharing machines cannot deadlock. The foreign key
+-- of machine_agent_heartbeat makes a heartbeat that raced a recovery
+-- (AgentStarted deleted after this statement's snapshot) fail instead of
+-- leaving a heartbeat without its AgentStarted; the caller retries it alone.
+-- A successful report of the current installation generation forgets the
+-- machine's SSH host key recorded on first use: the new system has new host
+-- keys (SPEC §3.3); a pinned key stays. It returns, per accepted ordinal
+-- (a machine has one current key, so at most one pair per machine), what
+-- was recorded and the machine's pending installation request: the current
+-- request if no report of its generation exists (or arrives now).
 WITH req AS (
     -- Set-returning functions in a select list run in lockstep: row i pairs
-    -- the i-th ordinal, id and key.
+    -- the i-th element of every array.
     SELECT unnest(@ordinals::integer[]) AS ordinal, unnest(@machine_ids::uuid[]) AS machine_id,
            unnest(@public_keys::bytea[]) AS public_key
 ),
@@ -19,57 +29,78 @@ authed AS (
 ),
 beat AS (
     INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
-    SELECT a.machine_id, now() FROM authed a
+    SELECT a.machine_id, now() FROM authed a ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at
     RETURNING machine_id
+),
+hw AS (
+    INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
+    SELECT a.machine_id, h.raw, now(), h.cpu_threads, h.memory_bytes, h.disk_count, h.disk_bytes
+    FROM (
+        SELECT unnest(@hw_ordinals::integer[]) AS ordinal, unnest(@hw_raws::bytea[]) AS raw,
+               unnest(@hw_cpu_threads::integer[]) AS cpu_threads, unnest(@hw_memory_bytes::bigint[]) AS memory_bytes,
+               unnest(@hw_disk_counts::integer[]) AS disk_count, unnest(@hw_disk_bytes::bigint[]) AS disk_bytes
+    ) h
+    JOIN authed a ON a.ordinal = h.ordinal
+    ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET hardware_report_raw = EXCLUDED.hardware_report_raw,
+        reported_at = EXCLUDED.reported_at,
+        cpu_threads = EXCLUDED.cpu_threads,
+        memory_bytes = EXCLUDED.memory_bytes,
+        disk_count = EXCLUDED.disk_count,
+        disk_bytes = EXCLUDED.disk_bytes
+    RETURNING machine_id
+),
+ins AS (
+    INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
+    SELECT a.machine_id, i.generation, i.success, i.error_message, i.raw, now()
+    FROM (
+        SELECT unnest(@ins_ordinals::integer[]) AS ordinal, unnest(@ins_generations::bigint[]) AS generation,
+               unnest(@ins_successes::boolean[]) AS success, unnest(@ins_error_messages::text[]) AS error_message,
+               unnest(@ins_raws::bytea[]) AS raw
+    ) i
+    JOIN authed a ON a.ordinal = i.ordinal
+    ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET generation = EXCLUDED.generation,
+        success = EXCLUDED.success,
+        error_message = EXCLUDED.error_message,
+        os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+        reported_at = EXCLUDED.reported_at
+    RETURNING machine_id, generation, success
+),
+forgotten_host_key AS (
+    DELETE FROM machine_ssh_host_key k
+    USING ins, machine_os_installation_request q
+    WHERE k.machine_id = ins.machine_id AND ins.success AND NOT k.pinned
+      AND q.machine_id = ins.machine_id AND q.generation = ins.generation
+    RETURNING k.machine_id
 )
 SELECT a.ordinal::integer AS ordinal,
+       (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
+       ins.generation AS installation_recorded,
        q.generation AS pending_generation,
        q.os_installation_request_raw AS pending_request
-FROM beat b
-JOIN authed a ON a.machine_id = b.machine_id
-LEFT JOIN machine_os_installation_request q ON q.machine_id = b.machine_id
+FROM authed a
+JOIN beat b ON b.machine_id = a.machine_id
+LEFT JOIN hw ON hw.machine_id = a.machine_id
+LEFT JOIN ins ON ins.machine_id = a.machine_id
+LEFT JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
+    AND q.generation IS DISTINCT FROM ins.generation
     AND NOT EXISTS (
         SELECT 1 FROM machine_os_installation_report ir
         WHERE ir.machine_id = q.machine_id AND ir.generation = q.generation);
 
--- name: HardwareReportBatch :execrows
--- HardwareReportBatch stores the hardware reports of authenticated agents
--- (same authentication as HeartbeatBatch), with the values queries need.
-INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
-SELECT s.machine_id, r.raw, now(), r.cpu_threads, r.memory_bytes, r.disk_count, r.disk_bytes
+-- name: HeartbeatRetired :many
+-- HeartbeatRetired returns the ordinals of the pairs whose key is the last
+-- agent key of a decommissioned machine: that agent is told to stop.
+SELECT r.ordinal::integer AS ordinal
 FROM (
-    SELECT unnest(@machine_ids::uuid[]) AS machine_id, unnest(@public_keys::bytea[]) AS public_key,
-           unnest(@raws::bytea[]) AS raw, unnest(@cpu_threads::integer[]) AS cpu_threads,
-           unnest(@memory_bytes::bigint[]) AS memory_bytes, unnest(@disk_counts::integer[]) AS disk_count,
-           unnest(@disk_bytes::bigint[]) AS disk_bytes
+    SELECT unnest(@ordinals::integer[]) AS ordinal, unnest(@machine_ids::uuid[]) AS machine_id,
+           unnest(@public_keys::bytea[]) AS public_key
 ) r
-JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
-ON CONFLICT (machine_id) DO UPDATE
-SET hardware_report_raw = EXCLUDED.hardware_report_raw,
-    reported_at = EXCLUDED.reported_at,
-    cpu_threads = EXCLUDED.cpu_threads,
-    memory_bytes = EXCLUDED.memory_bytes,
-    disk_count = EXCLUDED.disk_count,
-    disk_bytes = EXCLUDED.disk_bytes;
-
--- name: InstallationReportBatch :execrows
--- InstallationReportBatch stores the installation reports of authenticated
--- agents (same authentication as HeartbeatBatch).
-INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
-SELECT s.machine_id, r.generation, r.success, r.error_message, r.raw, now()
-FROM (
-    SELECT unnest(@machine_ids::uuid[]) AS machine_id, unnest(@public_keys::bytea[]) AS public_key,
-           unnest(@generations::bigint[]) AS generation, unnest(@successes::boolean[]) AS success,
-           unnest(@error_messages::text[]) AS error_message, unnest(@raws::bytea[]) AS raw
-) r
-JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
-ON CONFLICT (machine_id) DO UPDATE
-SET generation = EXCLUDED.generation,
-    success = EXCLUDED.success,
-    error_message = EXCLUDED.error_message,
-    os_installation_report_raw = EXCLUDED.os_installation_report_raw,
-    reported_at = EXCLUDED.reported_at;
+JOIN decommissioned_machines d ON d.machine_id = r.machine_id AND d.agent_public_key = r.public_key;
 
 -- name: InstallationGet :one
 -- InstallationGet returns the installation request and report of a machine.
@@ -86,3 +117,7 @@ WHERE m.machine_id = @machine_id;
 SELECT hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes
 FROM machine_hardware_report
 WHERE machine_id = @machine_id;
+
+-- name: AgentKeyList :many
+-- AgentKeyList returns every machine's current agent key.
+SELECT machine_id, agent_public_key FROM machine_agent_started;

@@ -338,9 +338,11 @@ type HeartbeatRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The BMDB id of the machine; it must belong to the client certificate's key.
 	MachineId string `protobuf:"bytes,1,opt,name=machine_id,json=machineId,proto3" json:"machine_id,omitempty"`
-	// Sent with the first heartbeat of a daemon.
+	// Sent with the first heartbeats of a daemon, until a response
+	// acknowledges it (hardware_report_recorded).
 	HardwareReport *HardwareReport `protobuf:"bytes,2,opt,name=hardware_report,json=hardwareReport,proto3" json:"hardware_report,omitempty"`
-	// Sent after an installation finished, until a heartbeat carrying it succeeds.
+	// Sent after an installation finished, until a response acknowledges its
+	// generation (installation_report_recorded).
 	InstallationReport *OSInstallationReport `protobuf:"bytes,3,opt,name=installation_report,json=installationReport,proto3" json:"installation_report,omitempty"`
 	// The agent binary's version.
 	AgentVersion  string `protobuf:"bytes,4,opt,name=agent_version,json=agentVersion,proto3" json:"agent_version,omitempty"`
@@ -412,8 +414,13 @@ type HeartbeatResponse struct {
 	InstallationRequest *OSInstallationRequest `protobuf:"bytes,1,opt,name=installation_request,json=installationRequest,proto3" json:"installation_request,omitempty"`
 	// When to send the next heartbeat; unset means the agent's default.
 	NextHeartbeatIn *durationpb.Duration `protobuf:"bytes,2,opt,name=next_heartbeat_in,json=nextHeartbeatIn,proto3" json:"next_heartbeat_in,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The hardware report of the request was stored.
+	HardwareReportRecorded bool `protobuf:"varint,3,opt,name=hardware_report_recorded,json=hardwareReportRecorded,proto3" json:"hardware_report_recorded,omitempty"`
+	// The generation of the installation report of the request that was
+	// stored; 0 if none.
+	InstallationReportRecorded int64 `protobuf:"varint,4,opt,name=installation_report_recorded,json=installationReportRecorded,proto3" json:"installation_report_recorded,omitempty"`
+	unknownFields              protoimpl.UnknownFields
+	sizeCache                  protoimpl.SizeCache
 }
 
 func (x *HeartbeatResponse) Reset() {
@@ -458,6 +465,20 @@ func (x *HeartbeatResponse) GetNextHeartbeatIn() *durationpb.Duration {
 		return x.NextHeartbeatIn
 	}
 	return nil
+}
+
+func (x *HeartbeatResponse) GetHardwareReportRecorded() bool {
+	if x != nil {
+		return x.HardwareReportRecorded
+	}
+	return false
+}
+
+func (x *HeartbeatResponse) GetInstallationReportRecorded() int64 {
+	if x != nil {
+		return x.InstallationReportRecorded
+	}
+	return 0
 }
 
 // HardwareReport describes a machine as its agent sees it (SPEC §4.4).
@@ -1126,10 +1147,12 @@ const file_agent_v1_agent_proto_rawDesc = "" +
 	"machine_id\x18\x01 \x01(\tR\tmachineId\x12J\n" +
 	"\x0fhardware_report\x18\x02 \x01(\v2!.shepherd.agent.v1.HardwareReportR\x0ehardwareReport\x12X\n" +
 	"\x13installation_report\x18\x03 \x01(\v2'.shepherd.agent.v1.OSInstallationReportR\x12installationReport\x12#\n" +
-	"\ragent_version\x18\x04 \x01(\tR\fagentVersion\"\xb7\x01\n" +
+	"\ragent_version\x18\x04 \x01(\tR\fagentVersion\"\xb3\x02\n" +
 	"\x11HeartbeatResponse\x12[\n" +
 	"\x14installation_request\x18\x01 \x01(\v2(.shepherd.agent.v1.OSInstallationRequestR\x13installationRequest\x12E\n" +
-	"\x11next_heartbeat_in\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x0fnextHeartbeatIn\"\x82\x03\n" +
+	"\x11next_heartbeat_in\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x0fnextHeartbeatIn\x128\n" +
+	"\x18hardware_report_recorded\x18\x03 \x01(\bR\x16hardwareReportRecorded\x12@\n" +
+	"\x1cinstallation_report_recorded\x18\x04 \x01(\x03R\x1ainstallationReportRecorded\"\x82\x03\n" +
 	"\x0eHardwareReport\x12(\n" +
 	"\x03cpu\x18\x01 \x01(\v2\x16.shepherd.agent.v1.CPUR\x03cpu\x12!\n" +
 	"\fmemory_bytes\x18\x02 \x01(\x04R\vmemoryBytes\x12R\n" +

@@ -1,0 +1,108 @@
+package tcpproxy
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+)
+
+// echoServer answers every line with the same line.
+func echoServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func roundTrip(c net.Conn, deadline time.Duration) (string, error) {
+	_ = c.SetDeadline(time.Now().Add(deadline))
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		return "", err
+	}
+	return bufio.NewReader(c).ReadString('\n')
+}
+
+func TestModes(t *testing.T) {
+	p, err := Start(echoServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if got, err := roundTrip(c, 5*time.Second); err != nil || got != "ping\n" {
+		t.Fatalf("pass: got %q, %v", got, err)
+	}
+
+	p.SetMode(Blackhole)
+	if p.Mode() != Blackhole {
+		t.Fatalf("mode = %v, want blackhole", p.Mode())
+	}
+	// A black hole accepts the bytes and never answers: the read times out
+	// rather than failing with a refused or reset connection.
+	_, err = roundTrip(c, 300*time.Millisecond)
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("blackhole: err = %v, want a read timeout", err)
+	}
+
+	p.SetMode(Reset)
+	c2, err := net.Dial("tcp", p.Addr())
+	if err == nil {
+		defer c2.Close()
+		if _, err = roundTrip(c2, 5*time.Second); err == nil {
+			t.Fatal("reset: a new connection still answered")
+		}
+	}
+
+	p.SetMode(Pass)
+	c3, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c3.Close()
+	if got, err := roundTrip(c3, 5*time.Second); err != nil || got != "ping\n" {
+		t.Fatalf("pass again: got %q, %v", got, err)
+	}
+}
+
+func TestDelay(t *testing.T) {
+	p, err := Start(echoServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	p.SetDelay(200 * time.Millisecond)
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	if got, err := roundTrip(c, 5*time.Second); err != nil || got != "ping\n" {
+		t.Fatalf("got %q, %v", got, err)
+	}
+	// Each direction is delayed once.
+	if el := time.Since(start); el < 400*time.Millisecond {
+		t.Fatalf("round trip took %v, want at least 400ms with a 200ms delay", el)
+	}
+}

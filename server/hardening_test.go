@@ -1,0 +1,320 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/tls"
+	"errors"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"connectrpc.com/connect"
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/net/http2"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/shepherd/shepherd/agent"
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
+	"github.com/shepherd/shepherd/server"
+)
+
+// syncBuffer is a log sink safe for the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func errorReport(msg string) *agentv1.OSInstallationReport {
+	return &agentv1.OSInstallationReport{Generation: 1,
+		Result: &agentv1.OSInstallationReport_Error{Error: &agentv1.InstallationError{Message: msg}}}
+}
+
+// A client with any self-signed key and any machine id can send reports
+// whose text PostgreSQL cannot store. Such a request may only ever decide
+// its own answer: honest agents heartbeating at the same time are never
+// refused, and the server's log does not grow with the flood.
+func TestPoisonedReportsDoNotFailHonestAgents(t *testing.T) {
+	t.Parallel()
+	var logs syncBuffer
+	e := start(t, server.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	type agent struct {
+		id  uuid.UUID
+		key ed25519.PrivateKey
+	}
+	honest := make([]agent, 10)
+	for i := range honest {
+		honest[i].id, honest[i].key = e.machine()
+	}
+	_, hostileKey, _ := ed25519.GenerateKey(rand.Reader)
+	poisons := []string{
+		"disk\x00gone",
+		strings.Repeat("€", 3000), // cut at a byte count, it ends in half a character
+	}
+
+	ctx, stop := context.WithCancel(t.Context())
+	var hostileSent, hostileUnavailable atomic.Int64
+	var hostile sync.WaitGroup
+	for w := range 4 {
+		hostile.Add(1)
+		go func() {
+			defer hostile.Done()
+			c := e.client(uuid.New(), hostileKey)
+			for i := 0; ctx.Err() == nil; i++ {
+				rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+				_, err := c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{
+					MachineId: uuid.NewString(), InstallationReport: errorReport(poisons[(w+i)%len(poisons)])}))
+				cancel()
+				if ctx.Err() != nil {
+					return
+				}
+				hostileSent.Add(1)
+				if connect.CodeOf(err) == connect.CodeUnavailable {
+					hostileUnavailable.Add(1)
+				}
+			}
+		}()
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	var honestSent atomic.Int64
+	for _, a := range honest {
+		g.Go(func() error {
+			c := e.client(a.id, a.key)
+			for range 30 {
+				rctx, cancel := context.WithTimeout(gctx, 10*time.Second)
+				// An honest agent's own long non-ASCII error travels too.
+				_, err := c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{
+					MachineId: a.id.String(), InstallationReport: errorReport(strings.Repeat("é€", 1000))}))
+				cancel()
+				if err != nil {
+					return err
+				}
+				honestSent.Add(1)
+			}
+			return nil
+		})
+	}
+	err := g.Wait()
+	stop()
+	hostile.Wait()
+	if err != nil {
+		t.Fatalf("an honest heartbeat failed during the flood (%d sent before): %v", honestSent.Load(), err)
+	}
+	if hostileSent.Load() == 0 {
+		t.Fatal("the hostile client sent nothing")
+	}
+	if n := hostileUnavailable.Load(); n > 0 {
+		t.Errorf("%d of %d hostile requests got Unavailable: they reached the database as a failure", n, hostileSent.Load())
+	}
+	for _, a := range honest {
+		in, err := e.db.GetInstallation(t.Context(), a.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg := in.Report.Error
+		if !utf8.ValidString(msg) || len(msg) > 4096 || !strings.HasPrefix(strings.Repeat("é€", 1000), strings.TrimSuffix(msg, "...")) {
+			t.Errorf("stored error text of %s is not the agent's text cut on a character boundary: %d bytes, valid UTF-8: %v",
+				a.id, len(msg), utf8.ValidString(msg))
+		}
+	}
+	// Each rejection is counted; the log holds a bounded number of lines.
+	got := rejected(t, e.reg)
+	if got["unauthenticated"] < float64(hostileSent.Load())/2 {
+		t.Errorf("rejected = %v after %d hostile requests", got, hostileSent.Load())
+	}
+	if lines := strings.Count(logs.String(), "\n"); lines > 50 {
+		t.Errorf("the server logged %d lines during a %d-request flood, want a bounded number; first lines:\n%s",
+			lines, hostileSent.Load(), firstLines(logs.String(), 10))
+	}
+}
+
+func firstLines(s string, n int) string {
+	lines := strings.SplitN(s, "\n", n+1)
+	if len(lines) > n {
+		lines = lines[:n]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// One client cannot hold more connections than the per-IP limit; the
+// connections over it are closed at once and counted.
+func TestConnectionLimitPerIP(t *testing.T) {
+	t.Parallel()
+	e := start(t, server.Config{MaxConnectionsPerIP: 3})
+	id, key := e.machine()
+	tlsCfg, err := agent.ClientTLS(id.String(), e.endpoint, e.srv.CA(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dial := func() (*tls.Conn, error) {
+		d := &net.Dialer{Timeout: 10 * time.Second}
+		c, err := tls.DialWithDialer(d, "tcp", e.endpoint, tlsCfg)
+		if err != nil {
+			return nil, err
+		}
+		return c, nil
+	}
+	var held []*tls.Conn
+	for range 3 {
+		c, err := dial()
+		if err != nil {
+			t.Fatalf("connection within the limit: %v", err)
+		}
+		held = append(held, c)
+	}
+	if c, err := dial(); err == nil {
+		// TLS 1.3 can complete on the client side before the server's
+		// close arrives: the first read tells.
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, rerr := c.Read(make([]byte, 1))
+		c.Close()
+		if rerr == nil {
+			t.Fatal("a fourth connection from the same address was served")
+		}
+	}
+	if got := counterValue(t, e.reg, "shepherd_server_connections_refused_total", "per_ip"); got < 1 {
+		t.Errorf("connections_refused{limit=per_ip} = %v, want >= 1", got)
+	}
+	held[0].Close()
+	bmdbtest.WaitFor(t, 10*time.Second, "a slot is free again", func(ctx context.Context) (bool, error) {
+		_, err := e.heartbeat(e.client(id, key), &agentv1.HeartbeatRequest{MachineId: id.String()})
+		return err == nil, err
+	})
+	for _, c := range held[1:] {
+		c.Close()
+	}
+}
+
+// The server tells every client how many concurrent streams it may open on
+// a connection.
+func TestMaxConcurrentStreamsAdvertised(t *testing.T) {
+	t.Parallel()
+	e := start(t, server.Config{MaxStreamsPerConnection: 5})
+	id, key := e.machine()
+	tlsCfg, err := agent.ClientTLS(id.String(), e.endpoint, e.srv.CA(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := tls.Dial("tcp", e.endpoint, tlsCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(c, c)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("reading the server's SETTINGS: %v", err)
+		}
+		sf, ok := f.(*http2.SettingsFrame)
+		if !ok || sf.IsAck() {
+			continue
+		}
+		v, ok := sf.Value(http2.SettingMaxConcurrentStreams)
+		if !ok || v != 5 {
+			t.Errorf("SETTINGS_MAX_CONCURRENT_STREAMS = %d (set: %v), want 5", v, ok)
+		}
+		return
+	}
+}
+
+// A database that stops answering (a black hole, not a refusal) fails each
+// batch at the flush timeout: agents hear Unavailable, with a hint to retry
+// soon, instead of waiting for TCP to give up, and the server stops
+// promptly.
+func TestBlackholedDatabase(t *testing.T) {
+	t.Parallel()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := srv.Listen()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	e := &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}
+	id, key := e.machine()
+	c := e.client(id, key)
+	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: id.String()}); err != nil {
+		t.Fatal(err)
+	}
+
+	proxy.SetMode(tcpproxy.Blackhole)
+	rctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	_, err = c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id.String()}))
+	cancel()
+	var cerr *connect.Error
+	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable {
+		t.Fatalf("heartbeat while the database black-holes: %v, want Unavailable from the server", err)
+	}
+	if got := cerr.Meta().Get("grpc-retry-pushback-ms"); got != "300" {
+		t.Errorf("retry pushback %q, want \"300\"", got)
+	}
+
+	stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("the server did not stop while the database black-holes")
+	}
+	proxy.SetMode(tcpproxy.Pass)
+}
+
+func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetValue() == label {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
