@@ -82,9 +82,10 @@ func dial(ctx context.Context, h *Host, user string, key ssh.Signer, hostKey ssh
 	deadline, _ := ctx.Deadline()
 	_ = conn.SetDeadline(deadline)
 	c, chans, reqs, err := ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
-		User:            user,
-		Auth:            []ssh.AuthMethod{ssh.PublicKeys(key)},
-		HostKeyCallback: pinnedHostKey(hostKey),
+		User:              user,
+		Auth:              []ssh.AuthMethod{ssh.PublicKeys(key)},
+		HostKeyCallback:   pinnedHostKey(hostKey),
+		HostKeyAlgorithms: algorithmsOf(hostKey),
 	})
 	if err != nil {
 		conn.Close()
@@ -92,6 +93,15 @@ func dial(ctx context.Context, h *Host, user string, key ssh.Signer, hostKey ssh
 	}
 	_ = conn.SetDeadline(time.Time{})
 	return ssh.NewClient(c, chans, reqs), nil
+}
+
+// algorithmsOf returns the host key algorithms that make a server present
+// key: for RSA the SHA-2 signatures OpenSSH accepts.
+func algorithmsOf(key ssh.PublicKey) []string {
+	if key.Type() == ssh.KeyAlgoRSA {
+		return []string{ssh.KeyAlgoRSASHA512, ssh.KeyAlgoRSASHA256}
+	}
+	return []string{key.Type()}
 }
 
 // mustDial logs in to h with key and its current host key, and closes the
@@ -677,4 +687,183 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func(context
 		case <-tick.C:
 		}
 	}
+}
+
+// TestAllHostKeyTypes checks that a server with every host key type
+// presents each of them to a client that asks for its algorithm, and that
+// a client that does not ask gets a key other than HostKey: the trap the
+// option exists to set.
+func TestAllHostKeyTypes(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := newClientKey(t)
+		h := Start(t, 1, Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		var types []string
+		for _, k := range h.HostKeys {
+			types = append(types, k.Type())
+		}
+		if want := []string{ssh.KeyAlgoED25519, ssh.KeyAlgoECDSA256, ssh.KeyAlgoRSA}; !slices.Equal(types, want) || !keysEqual(h.HostKey, h.HostKeys[0]) {
+			t.Fatalf("HostKeys are of types %v, want %v with HostKey first", types, want)
+		}
+		for _, k := range h.HostKeys {
+			c, err := dial(t.Context(), h, h.User, key, k)
+			if err != nil {
+				t.Errorf("logging in expecting the %s key: %v", k.Type(), err)
+				continue
+			}
+			c.Close()
+		}
+		// x/crypto's default preference puts ECDSA before ed25519.
+		var presented ssh.PublicKey
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", h.Addr.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		_, _, _, err = ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
+			User: h.User,
+			HostKeyCallback: func(_ string, _ net.Addr, k ssh.PublicKey) error {
+				presented = k
+				return errHostKeyMismatch
+			},
+		})
+		if !errors.Is(err, errHostKeyMismatch) || presented == nil || keysEqual(presented, h.HostKey) {
+			t.Errorf("a client with default algorithms was presented %v (err %v), want a key other than the ed25519 one", presented, err)
+		}
+
+		old := slices.Clone(h.HostKeys)
+		h.ChangeHostKey(t)
+		for i, k := range h.HostKeys {
+			if keysEqual(k, old[i]) {
+				t.Errorf("ChangeHostKey kept the %s key", k.Type())
+			}
+		}
+		mustRun(t, mustDial(t, h, key), "true")
+	})
+}
+
+// TestPasswordAttemptsCounted checks the password-only server: Gliderlabs
+// lets the right password in; both kinds count every password offered and
+// refuse keys.
+func TestPasswordAttemptsCounted(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := newClientKey(t)
+		h := Start(t, 1, Config{Kind: kind, Password: "sshtest-pw"})[0]
+		if n := h.PasswordAttempts(); n != 0 {
+			t.Fatalf("PasswordAttempts before any login = %d", n)
+		}
+		if c, err := dial(t.Context(), h, h.User, key, h.HostKey); err == nil {
+			c.Close()
+			t.Error("a key logged in to a password-only server")
+		}
+		if n := h.PasswordAttempts(); n != 0 {
+			t.Errorf("PasswordAttempts after a key login = %d, want 0", n)
+		}
+		login := func(pw string) error {
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			var d net.Dialer
+			conn, err := d.DialContext(ctx, "tcp", h.Addr.String())
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			c, _, _, err := ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
+				User: h.User, Auth: []ssh.AuthMethod{ssh.Password(pw)}, HostKeyCallback: pinnedHostKey(h.HostKey),
+				HostKeyAlgorithms: algorithmsOf(h.HostKey),
+			})
+			if err == nil {
+				c.Close()
+			}
+			return err
+		}
+		err := login("sshtest-pw")
+		if kind == Gliderlabs && err != nil {
+			t.Errorf("Gliderlabs refused the right password: %v", err)
+		}
+		if kind == OpenSSH && err == nil {
+			t.Error("OpenSSH accepted a password that is not the system's")
+		}
+		if err := login("wrong"); err == nil {
+			t.Error("a wrong password logged in")
+		}
+		waitFor(t, 10*time.Second, "two password attempts in the log", func(context.Context) (bool, error) {
+			return h.PasswordAttempts() == 2, nil
+		})
+		if log, _ := os.ReadFile(h.LogPath()); bytes.Contains(log, []byte("sshtest-pw")) {
+			t.Error("the server's log holds the password")
+		}
+	})
+}
+
+// TestProxySilence checks that a silenced proxy keeps connections open and
+// passes nothing: a command's output stops reaching the client.
+func TestProxySilence(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := newClientKey(t)
+		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		p := StartProxy(t, h.Addr.String())
+		via := *h
+		via.Addr = p.Addr
+		c := mustDial(t, &via, key)
+		if got := mustRun(t, c, "echo through"); got != "through\n" {
+			t.Fatalf("through the proxy: %q", got)
+		}
+		sess, err := c.NewSession()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sess.Close()
+		stdout, err := sess.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		stdin, err := sess.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sess.Start("echo first; read x; echo second"); err != nil {
+			t.Fatal(err)
+		}
+		r := bufio.NewReader(stdout)
+		if line, err := r.ReadString('\n'); err != nil || line != "first\n" {
+			t.Fatalf("first line %q, %v", line, err)
+		}
+		p.Silence()
+		// The line would let the command print "second", if it got through.
+		if _, err := stdin.Write([]byte("go\n")); err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan string, 1)
+		go func() {
+			line, _ := r.ReadString('\n')
+			got <- line
+		}()
+		// Nothing may arrive within a deadline; closing the connection is
+		// the only way on.
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		select {
+		case line := <-got:
+			got <- line
+			t.Errorf("after Silence the client still read %q", line)
+		case <-ctx.Done():
+		}
+		c.Close()
+		if line := <-got; line != "" {
+			t.Errorf("after Silence the client read %q", line)
+		}
+		// New connections are swallowed: the handshake meets silence.
+		ctx, cancel = context.WithTimeout(t.Context(), 200*time.Millisecond)
+		defer cancel()
+		if c, err := dial(ctx, &via, h.User, key, h.HostKey); err == nil {
+			c.Close()
+			t.Error("a login through the silent proxy succeeded")
+		}
+	})
 }
