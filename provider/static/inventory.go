@@ -16,6 +16,7 @@ import (
 	"go.yaml.in/yaml/v3"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -42,6 +43,9 @@ type entry struct {
 	signer        ssh.Signer // the machine's own key; nil if none
 	hostKey       ssh.PublicKey
 	rebootCommand string
+	// trustOnFirstUse lets password and signer go to a host whose key is
+	// neither pinned nor recorded yet.
+	trustOnFirstUse bool
 }
 
 // secret holds a password. Its String, GoString, Format and LogValue all
@@ -293,9 +297,10 @@ func (p *parser) nonEmpty(where, name string, s scalar) bool {
 
 // defaultsSection is the inventory's defaults, already validated.
 type defaultsSection struct {
-	port          uint16
-	user          string
-	rebootCommand string
+	port            uint16
+	user            string
+	rebootCommand   string
+	trustOnFirstUse bool
 }
 
 func (p *parser) defaults(n *yaml.Node) defaultsSection {
@@ -324,11 +329,27 @@ func (p *parser) defaults(n *yaml.Node) defaultsSection {
 			if s := p.scalar(where, f); s.set && p.nonEmpty(where, f.key, s) {
 				d.rebootCommand = s.v
 			}
+		case "trust_on_first_use":
+			if s := p.scalar(where, f); s.set {
+				d.trustOnFirstUse, _ = p.boolean(where, f.key, s)
+			}
 		default:
 			p.unknownField(where, f)
 		}
 	}
 	return d
+}
+
+// boolean parses a YAML boolean (true or false), reporting anything else.
+func (p *parser) boolean(where, name string, s scalar) (bool, bool) {
+	switch s.v {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	p.errorf(s.line, "%s%s must be true or false, got %q", where, name, s.v)
+	return false, false
 }
 
 // machine parses entry number num (from 1) of the machines list. It returns
@@ -359,7 +380,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	}
 	fs := p.fields(n, where)
 
-	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot scalar
+	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot, tofu scalar
 	e := &entry{m: &machine{id: id.v}}
 	for _, f := range fs {
 		switch f.key {
@@ -384,6 +405,8 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 			hostKey = p.scalar(where, f)
 		case "reboot_command":
 			reboot = p.scalar(where, f)
+		case "trust_on_first_use":
+			tofu = p.scalar(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -411,11 +434,18 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	if p.nonEmpty(where, "reboot_command", reboot) && reboot.set {
 		e.rebootCommand = reboot.v
 	}
+	e.trustOnFirstUse = d.trustOnFirstUse
+	if tofu.set {
+		e.trustOnFirstUse, _ = p.boolean(where, "trust_on_first_use", tofu)
+	}
 	if p.nonEmpty(where, "host_key", hostKey) && hostKey.set {
 		k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(hostKey.v))
-		if err != nil {
+		switch {
+		case err != nil:
 			p.errorf(hostKey.line, "%shost_key is not a public key in authorized_keys format: %v", where, err)
-		} else {
+		case sshx.SupportedHostKey(k) != nil:
+			p.errorf(hostKey.line, "%shost_key: %v", where, sshx.SupportedHostKey(k))
+		default:
 			e.hostKey = k
 		}
 	}

@@ -9,6 +9,7 @@
 //	  port: 22
 //	  ssh_user: root
 //	  reboot_command: systemctl reboot
+//	  trust_on_first_use: false
 //	machines:
 //	  - id: rack1-node7            # required; 1-128 bytes; unique; any string (not a UUID)
 //	    address: 10.0.0.7          # required; an IP address (v4 or v6), no host names
@@ -20,6 +21,9 @@
 //	    ssh_key_file: /etc/shepherd/node7.key       # optional extra private key (file or env,
 //	    ssh_key_env: NODE7_KEY                      # never both; no passphrase)
 //	    host_key: "ssh-ed25519 AAAAC3Nz..."         # optional pinned host key, authorized_keys format
+//	                                                # (ed25519, ECDSA or RSA)
+//	    trust_on_first_use: true                    # optional; default defaults.trust_on_first_use,
+//	                                                # else false: see Host keys and secrets
 //	    reboot_command: "ipmitool power cycle"      # optional; default defaults.reboot_command,
 //	                                                # else "systemctl reboot"
 //	  - id: n2
@@ -32,6 +36,32 @@
 // the inventory is (re)loaded, so after rotating a secret touch the
 // inventory or call Reload. Do not put secrets in reboot_command either: it
 // appears in error messages.
+//
+// # Host keys and secrets
+//
+// A machine's SSH host key is verified against its host_key, or else
+// against the key the BMDB recorded when Shepherd first took the machine
+// over (trust on first use; `shepherd machine host-key accept` replaces a
+// recorded key after a reinstall, a pinned one is changed here). Shepherd's
+// own SSH key may go to a machine whose key is neither pinned nor recorded
+// yet: it proves only that we are Shepherd. The machine's own password and
+// key may not, because whoever answers at its address would get them: until
+// its key is pinned or recorded they are withheld, and a login that needs
+// them fails with a cause that says so. trust_on_first_use: true sends them
+// anyway, for machines that accept nothing else and whose host key cannot
+// be learnt out of band; the first key seen is then recorded as usual.
+//
+// # Reboots
+//
+// RebootMachine runs reboot_command over SSH within SSHTimeout. Until the
+// machine confirms that it started the command, any failure fails the
+// reboot, and the recoverer tries again after its backoff. Once it
+// confirmed, only a non-zero exit status fails the reboot; a zero status,
+// a connection cut, or a machine that stops answering until SSHTimeout (one
+// that reset at once, without closing the connection) count as a reboot
+// issued: that is what a reboot looks like from outside. Whether the machine
+// came back is for its agent's heartbeat to tell, and a reboot counted as
+// failed would be repeated on a machine that is booting already.
 //
 // An empty file is an error rather than an empty fleet, because a
 // half-written file must not make every machine disappear; write
