@@ -415,6 +415,13 @@ func (db *DB) AcceptHostKey(ctx context.Context, machine uuid.UUID, fingerprint,
 	return ch, nil
 }
 
+// AcceptHostKeyCommand is the operator command that runs AcceptHostKey for
+// the key with the given fingerprint, as host key mismatch causes, `shepherd
+// machine show` and the web UI name it.
+func AcceptHostKeyCommand(machine uuid.UUID, fingerprint string) string {
+	return fmt.Sprintf("shepherd machine host-key accept %s --fingerprint %s", machine, fingerprint)
+}
+
 // ClearHostKey forgets the host key the machine's first use recorded (and
 // any key it presented instead), for a reinstall, which gives the machine
 // new host keys (SPEC §3.3): call it in the transaction that records the

@@ -118,8 +118,8 @@ func explainMismatch(ctx context.Context, db *bmdb.DB, machine uuid.UUID, pinned
 	if _, oerr := db.OfferHostKey(ctx, machine, mm.Got.Marshal()); oerr != nil {
 		return fmt.Errorf("%w; keeping the presented key for accepting failed: %v", err, oerr)
 	}
-	return fmt.Errorf("%w; if the machine was reinstalled, accept the new key after checking it: shepherd machine host-key accept %s --fingerprint %s",
-		err, machine, ssh.FingerprintSHA256(mm.Got))
+	return fmt.Errorf("%w; if the machine was reinstalled, accept the new key after checking it: %s",
+		err, bmdb.AcceptHostKeyCommand(machine, ssh.FingerprintSHA256(mm.Got)))
 }
 
 // HostKeys gives providers that SSH into machines themselves (a static

@@ -395,5 +395,43 @@ func TestHostKeyMismatchNamesTheWayOut(t *testing.T) {
 			!strings.Contains(cause, "host_key") || strings.Contains(cause, "host-key accept") {
 			t.Errorf("pinned: started %v, cause %q; want both fingerprints and the inventory's host_key, not the accept command", started, cause)
 		}
+		if d, err := f.db.GetMachine(t.Context(), f.machines["pinned"]); err != nil || d.OfferedHostKey != nil {
+			t.Errorf("pinned: the BMDB keeps an offered key %x (%v): a pin is changed at the provider", d.OfferedHostKey, err)
+		}
 	})
 }
+
+// TestAcceptedHostKeyIsTakenOverAtOnce accepts the key a reinstalled
+// machine presented: the agent start, backed off for an hour by the
+// mismatch, takes the machine over at once with the accepted key.
+func TestAcceptedHostKeyIsTakenOverAtOnce(t *testing.T) {
+	t.Parallel()
+	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
+		key := newSigner(t)
+		h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		f := newSSHFixture(t, []*sshtest.Host{h}, key, "machines:\n  - {id: m, address: HOST_0, port: PORT_0}\n")
+		id := f.machines["m"]
+		// The RSA key was recorded; the machine was reinstalled with keys
+		// of every type.
+		if _, _, err := f.db.RecordHostKey(t.Context(), id, h.HostKeys[2].Marshal(), false); err != nil {
+			t.Fatal(err)
+		}
+		h.ChangeHostKey(t)
+		f.startInitializer()
+		if started, cause := f.takeover("m", 0); started || !strings.Contains(cause, ssh.FingerprintSHA256(h.HostKeys[2])) {
+			t.Fatalf("started %v, cause %q; want a mismatch naming the RSA key presented now", started, cause)
+		}
+		after := f.lastHistoryID()
+		if _, err := f.db.AcceptHostKey(t.Context(), id, ssh.FingerprintSHA256(h.HostKeys[2]), "test", ""); err != nil {
+			t.Fatal(err)
+		}
+		if started, cause := f.takeover("m", after); !started {
+			t.Fatalf("after the accept the agent start failed: %s", cause)
+		}
+		if got, pinned := f.recordedHostKey("m"); pinned || !keysEqual(got, h.HostKeys[2]) {
+			t.Errorf("recorded %s (pinned %v), want the accepted RSA key", sshDescribe(got), pinned)
+		}
+	})
+}
+
+func sshDescribe(k ssh.PublicKey) string { return k.Type() + " " + ssh.FingerprintSHA256(k) }
