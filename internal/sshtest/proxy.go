@@ -20,9 +20,9 @@ type Proxy struct {
 	// Addr is where clients connect instead of the target.
 	Addr netip.AddrPort
 
-	target string
-	ln     net.Listener
-	silent atomic.Bool
+	network, target string
+	ln              net.Listener
+	silent          atomic.Bool
 
 	mu     sync.Mutex
 	conns  map[net.Conn]struct{}
@@ -38,15 +38,23 @@ const proxyDialTimeout = 10 * time.Second
 // connection and waits for its goroutines.
 func StartProxy(t testing.TB, target string) *Proxy {
 	t.Helper()
+	return StartProxyTo(t, "tcp", target)
+}
+
+// StartProxyTo is StartProxy to a target on another network: "unix" and a
+// socket's path reach a PostgreSQL that listens only on its socket.
+func StartProxyTo(t testing.TB, network, target string) *Proxy {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("sshtest: proxy: listening: %v", err)
 	}
 	p := &Proxy{
-		Addr:   ln.Addr().(*net.TCPAddr).AddrPort(),
-		target: target,
-		ln:     ln,
-		conns:  map[net.Conn]struct{}{},
+		Addr:    ln.Addr().(*net.TCPAddr).AddrPort(),
+		network: network,
+		target:  target,
+		ln:      ln,
+		conns:   map[net.Conn]struct{}{},
 	}
 	p.wg.Go(p.accept)
 	t.Cleanup(p.close)
@@ -81,7 +89,7 @@ func (p *Proxy) serve(c net.Conn) {
 		return
 	}
 	d := net.Dialer{Timeout: proxyDialTimeout}
-	up, err := d.Dial("tcp", p.target)
+	up, err := d.Dial(p.network, p.target)
 	if err != nil {
 		return
 	}

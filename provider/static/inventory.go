@@ -65,26 +65,30 @@ func (secret) MarshalText() ([]byte, error) { return []byte("REDACTED"), nil }
 type parser struct {
 	file      string // as given in Config.Inventory, for messages
 	lookupEnv func(string) (string, bool)
-	readFile  func(string) ([]byte, error) // reads a secret file
+	readFile  func(string) ([]byte, fileID, error) // reads a secret file
 	problems  []string
+	// secrets are the secret files the inventory names, as they were read.
+	secrets map[string]fileID
 }
 
 // parse parses and validates data, the contents of file, and reads the
-// secrets it names. The error lists the problems found, each as
-// "FILE:LINE: what", and never contains a secret.
-func parse(file string, data []byte, lookupEnv func(string) (string, bool)) (*inventory, error) {
+// secrets it names. It also returns the secret files it named, as they
+// were when read (also when it fails, so that fixing a secret file makes
+// the provider read the inventory again). The error lists the problems
+// found, each as "FILE:LINE: what", and never contains a secret.
+func parse(file string, data []byte, lookupEnv func(string) (string, bool)) (*inventory, map[string]fileID, error) {
 	return parseWith(file, data, lookupEnv, readSecretFile)
 }
 
 // parseWith is parse with secret files read by readFile, so that the fuzz
 // test need not open the paths it makes up.
-func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, error)) (*inventory, error) {
-	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile}
+func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, fileID, error)) (*inventory, map[string]fileID, error) {
+	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile, secrets: map[string]fileID{}}
 	inv := p.parse(data)
 	if len(p.problems) > 0 {
-		return nil, p.err()
+		return nil, p.secrets, p.err()
 	}
-	return inv, nil
+	return inv, p.secrets, nil
 }
 
 func (p *parser) errorf(line int, format string, args ...any) {
@@ -480,7 +484,8 @@ func (p *parser) secret(where, name string, file, env scalar) (string, bool) {
 		if !p.nonEmpty(where, name+"_file", file) {
 			return "", false
 		}
-		b, err := p.readFile(file.v)
+		b, id, err := p.readFile(file.v)
+		p.secrets[file.v] = id
 		if err != nil {
 			p.errorf(file.line, "%s%s_file: %v", where, name, err)
 			return "", false
@@ -508,20 +513,28 @@ func secretSource(name string, file, env scalar) string {
 	return fmt.Sprintf("%s_env %s", name, env.v)
 }
 
-func readSecretFile(path string) ([]byte, error) {
+// readSecretFile reads a secret file and says which file it read: the
+// identity of the open file, so that a file replaced or changed after it
+// was read is noticed (see fileID).
+func readSecretFile(path string) ([]byte, fileID, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, fileID{err: err.Error()}, err
 	}
 	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fileID{err: err.Error()}, fmt.Errorf("reading %s: %w", path, err)
+	}
+	id := idOf(fi)
 	b, err := io.ReadAll(io.LimitReader(f, maxSecretSize+1))
 	if err != nil {
-		return nil, fmt.Errorf("reading %s: %w", path, err)
+		return nil, id, fmt.Errorf("reading %s: %w", path, err)
 	}
 	if len(b) > maxSecretSize {
-		return nil, fmt.Errorf("%s is larger than %d bytes", path, maxSecretSize)
+		return nil, id, fmt.Errorf("%s is larger than %d bytes", path, maxSecretSize)
 	}
-	return b, nil
+	return b, id, nil
 }
 
 // privateKey parses a private key without a passphrase. The messages of

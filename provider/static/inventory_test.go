@@ -251,7 +251,7 @@ func TestManyProblems(t *testing.T) {
 	for i := range 30 {
 		fmt.Fprintf(&inv, "  - id: m%d\n", i)
 	}
-	_, err := parse("inv.yaml", []byte(inv.String()), noEnv)
+	_, _, err := parse("inv.yaml", []byte(inv.String()), noEnv)
 	if err == nil {
 		t.Fatal("no error")
 	}
@@ -276,7 +276,7 @@ func TestInventoryDetails(t *testing.T) {
 	_, keyPEM := newKey(t)
 	writeFile(t, filepath.Join(dir, "pw"), "s3cret\r\n")
 	writeFile(t, filepath.Join(dir, "key"), string(keyPEM))
-	inv, err := parse("inv.yaml", []byte(fmt.Sprintf(`
+	inv, _, err := parse("inv.yaml", []byte(fmt.Sprintf(`
 defaults:
   port: 2222
   ssh_user: ops

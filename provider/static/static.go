@@ -32,9 +32,7 @@
 // Secrets are never written in the inventory: fields such as password,
 // ssh_password, key, ssh_key or private_key are rejected, as is any field
 // the format does not know. A password file's single trailing newline is
-// not part of the password. Secret files and variables are read whenever
-// the inventory is (re)loaded, so after rotating a secret touch the
-// inventory or call Reload. Do not put secrets in reboot_command either: it
+// not part of the password. Do not put secrets in reboot_command either: it
 // appears in error messages.
 //
 // # Host keys and secrets
@@ -71,11 +69,17 @@
 //
 // # Reloading
 //
-// Run checks the file every ReloadInterval. A changed file is parsed; if it
-// is good it replaces the inventory in force at once, otherwise the error
-// (which names FILE:LINE) is logged and counted and the last good inventory
-// stays in force. A machine that leaves the file disappears from
-// ListMachines; the provisioner then marks it Missing.
+// Run checks the file, and every secret file it names, every
+// ReloadInterval. A changed inventory, or a secret file that changed (its
+// content or its identity: modification time, size, inode, as when a
+// rotated secret is renamed over the old file), makes it parse the
+// inventory and read its secrets again; if they are good they replace the
+// inventory in force at once, otherwise the error (which names FILE:LINE)
+// is logged and counted and the last good inventory stays in force.
+// Reload does the same at once, whatever changed; shepherd run calls it on
+// SIGHUP. Secrets from environment variables are read with the inventory;
+// a process's environment does not change. A machine that leaves the file
+// disappears from ListMachines; the provisioner then marks it Missing.
 //
 // # Metrics
 //
