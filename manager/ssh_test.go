@@ -435,3 +435,50 @@ func TestAcceptedHostKeyIsTakenOverAtOnce(t *testing.T) {
 }
 
 func sshDescribe(k ssh.PublicKey) string { return k.Type() + " " + ssh.FingerprintSHA256(k) }
+
+// TestTakeoverEndsWhenMachineGoesSilent: a machine that stops answering
+// while the agent runs (a proxy goes silent once the agent started) fails
+// the takeover at the exec timeout, instead of holding the worker and the
+// machine's lock for ever.
+func TestTakeoverEndsWhenMachineGoesSilent(t *testing.T) {
+	t.Parallel()
+	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
+		key := newSigner(t)
+		h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		proxy := sshtest.StartProxy(t, h.Addr.String())
+		f := newSSHFixture(t, []*sshtest.Host{h}, key, fmt.Sprintf("machines:\n  - {id: m, address: %s, port: %d}\n", proxy.Addr.Addr(), proxy.Addr.Port()))
+		marker := filepath.Join(f.agents, "m", "started")
+		// This agent starts, says so, and runs until its output goes
+		// nowhere.
+		agent := "#!/bin/sh\ntouch '" + marker + "'\nwhile :; do echo . || exit; sleep 0.2; done\n"
+		if err := os.WriteFile(f.agent, []byte(agent), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		in, err := manager.NewInitializer(manager.InitializerConfig{
+			Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 5 * time.Second},
+			ConnectTimeout: 20 * time.Second, ExecTimeout: 3 * time.Second,
+			SSHKey: key, AgentPath: f.agent, AgentDir: filepath.Join(f.agents, "{provider_id}"),
+			ServerEndpoint: agentEndpoint, Backoff: bmdb.BackoffPolicy{Initial: time.Hour},
+		}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- in.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("initializer: %v", err)
+			}
+		})
+		bmdbtest.WaitFor(t, time.Minute, "the agent started", func(context.Context) (bool, error) {
+			_, err := os.Stat(marker)
+			return err == nil, nil
+		})
+		proxy.Silence()
+		if started, cause := f.takeover("m", 0); started || !strings.Contains(cause, "exec timeout") {
+			t.Errorf("started %v, cause %q; want the exec timeout", started, cause)
+		}
+	})
+}
