@@ -128,11 +128,14 @@ func (f *sshFixture) writeResponse(pid string) {
 // startInitializer runs the initializer until the test ends. Failed agent
 // starts back off for an hour, so that each machine is tried once unless
 // the test resets it.
-func (f *sshFixture) startInitializer() {
+func (f *sshFixture) startInitializer() { f.startInitializerWithTimeout(time.Minute) }
+
+// startInitializerWithTimeout is startInitializer with the exec timeout.
+func (f *sshFixture) startInitializerWithTimeout(exec time.Duration) {
 	f.t.Helper()
 	in, err := manager.NewInitializer(manager.InitializerConfig{
 		Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 5 * time.Second},
-		ConnectTimeout: 20 * time.Second, ExecTimeout: time.Minute,
+		ConnectTimeout: 20 * time.Second, ExecTimeout: exec,
 		SSHKey: f.key, AgentPath: f.agent, AgentDir: filepath.Join(f.agents, "{provider_id}"),
 		ServerEndpoint: agentEndpoint, Backoff: bmdb.BackoffPolicy{Initial: time.Hour},
 	}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
@@ -194,19 +197,6 @@ func (f *sshFixture) recordedHostKey(pid string) (ssh.PublicKey, bool) {
 	return k, pinned
 }
 
-func newSigner(t *testing.T) ssh.Signer {
-	t.Helper()
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
 func keysEqual(a, b ssh.PublicKey) bool { return string(a.Marshal()) == string(b.Marshal()) }
 
 // forEachSSHKind runs f as a parallel subtest per kind of SSH server.
@@ -227,7 +217,7 @@ func forEachSSHKind(t *testing.T, f func(t *testing.T, kind sshtest.Kind)) {
 func TestHostKeyOfEachType(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
-		key := newSigner(t)
+		key := sshtest.NewKey(t)
 		hosts := sshtest.Start(t, 3, sshtest.Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
 		types := []string{"ed25519", "ecdsa", "rsa"}
 		var inv strings.Builder
@@ -277,7 +267,7 @@ func TestSecretsOnlyToVerifiedHosts(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
 		hosts := sshtest.Start(t, 3, sshtest.Config{Kind: kind, Password: testPassword})
-		f := newSSHFixture(t, hosts, newSigner(t), fmt.Sprintf(`defaults:
+		f := newSSHFixture(t, hosts, sshtest.NewKey(t), fmt.Sprintf(`defaults:
   reboot_command: "true"
 machines:
   - {id: unverified, address: HOST_0, port: PORT_0, ssh_password_file: %[1]s}
@@ -329,7 +319,7 @@ func TestTrustOnFirstUseOptIn(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
 		hosts := sshtest.Start(t, 2, sshtest.Config{Kind: kind, Password: testPassword})
-		f := newSSHFixture(t, hosts, newSigner(t), fmt.Sprintf(`defaults:
+		f := newSSHFixture(t, hosts, sshtest.NewKey(t), fmt.Sprintf(`defaults:
   trust_on_first_use: true
 machines:
   - {id: by-default, address: HOST_0, port: PORT_0, ssh_password_file: %[1]s}
@@ -372,7 +362,7 @@ func passwordFile(t *testing.T) string {
 func TestHostKeyMismatchNamesTheWayOut(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
-		key := newSigner(t)
+		key := sshtest.NewKey(t)
 		hosts := sshtest.Start(t, 2, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
 		f := newSSHFixture(t, hosts, key, `machines:
   - {id: recorded, address: HOST_0, port: PORT_0}
@@ -407,7 +397,7 @@ func TestHostKeyMismatchNamesTheWayOut(t *testing.T) {
 func TestAcceptedHostKeyIsTakenOverAtOnce(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
-		key := newSigner(t)
+		key := sshtest.NewKey(t)
 		h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		f := newSSHFixture(t, []*sshtest.Host{h}, key, "machines:\n  - {id: m, address: HOST_0, port: PORT_0}\n")
 		id := f.machines["m"]
@@ -443,35 +433,18 @@ func sshDescribe(k ssh.PublicKey) string { return k.Type() + " " + ssh.Fingerpri
 func TestTakeoverEndsWhenMachineGoesSilent(t *testing.T) {
 	t.Parallel()
 	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
-		key := newSigner(t)
+		key := sshtest.NewKey(t)
 		h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		proxy := sshtest.StartProxy(t, h.Addr.String())
 		f := newSSHFixture(t, []*sshtest.Host{h}, key, fmt.Sprintf("machines:\n  - {id: m, address: %s, port: %d}\n", proxy.Addr.Addr(), proxy.Addr.Port()))
 		marker := filepath.Join(f.agents, "m", "started")
 		// This agent starts, says so, and runs until its output goes
 		// nowhere.
-		agent := "#!/bin/sh\ntouch '" + marker + "'\nwhile :; do echo . || exit; sleep 0.2; done\n"
+		agent := "#!/bin/sh\n" + sshtest.UntilSilenced(marker) + "\n"
 		if err := os.WriteFile(f.agent, []byte(agent), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		in, err := manager.NewInitializer(manager.InitializerConfig{
-			Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 5 * time.Second},
-			ConnectTimeout: 20 * time.Second, ExecTimeout: 3 * time.Second,
-			SSHKey: key, AgentPath: f.agent, AgentDir: filepath.Join(f.agents, "{provider_id}"),
-			ServerEndpoint: agentEndpoint, Backoff: bmdb.BackoffPolicy{Initial: time.Hour},
-		}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- in.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("initializer: %v", err)
-			}
-		})
+		f.startInitializerWithTimeout(3 * time.Second)
 		bmdbtest.WaitFor(t, time.Minute, "the agent started", func(context.Context) (bool, error) {
 			_, err := os.Stat(marker)
 			return err == nil, nil

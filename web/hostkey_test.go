@@ -1,8 +1,6 @@
 package web_test
 
 import (
-	"crypto/ed25519"
-	"crypto/rand"
 	"html"
 	"net/http"
 	"net/url"
@@ -13,21 +11,9 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/sshtest"
 	"github.com/shepherd/shepherd/web"
 )
-
-func newHostKey(t *testing.T) ssh.PublicKey {
-	t.Helper()
-	pub, _, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := ssh.NewPublicKey(pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return k
-}
 
 var fingerprintField = regexp.MustCompile(`name="fingerprint" value="([^"]+)"`)
 
@@ -43,7 +29,7 @@ func TestHostKeyAcceptAction(t *testing.T) {
 	ctx := t.Context()
 	q := f.quarantined
 	path := "/machines/" + q.String() + "/host-key"
-	old, offered, later := newHostKey(t), newHostKey(t), newHostKey(t)
+	old, offered, later := sshtest.NewKey(t).PublicKey(), sshtest.NewKey(t).PublicKey(), sshtest.NewKey(t).PublicKey()
 	if _, _, err := f.db.RecordHostKey(ctx, q, old.Marshal(), false); err != nil {
 		t.Fatal(err)
 	}

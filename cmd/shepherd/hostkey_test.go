@@ -1,8 +1,6 @@
 package main
 
 import (
-	"crypto/ed25519"
-	"crypto/rand"
 	"encoding/json"
 	"slices"
 	"strings"
@@ -14,20 +12,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/sshtest"
 )
-
-func newHostKey(t *testing.T) ssh.PublicKey {
-	t.Helper()
-	pub, _, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := ssh.NewPublicKey(pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return k
-}
 
 // TestMachineHostKeyAccept accepts the host key a quarantined machine
 // presented instead of its recorded one: refused without the exact
@@ -37,7 +23,7 @@ func TestMachineHostKeyAccept(t *testing.T) {
 	db := bmdbtest.New(t)
 	s := bmdbtest.Session(t, db, "initializer", time.Minute)
 	m := bmdbtest.AddMachine(t, db, s, "p")
-	old, offered := newHostKey(t), newHostKey(t)
+	old, offered := sshtest.NewKey(t).PublicKey(), sshtest.NewKey(t).PublicKey()
 	if _, _, err := db.RecordHostKey(t.Context(), m, old.Marshal(), false); err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +55,7 @@ func TestMachineHostKeyAccept(t *testing.T) {
 	for name, args := range map[string][]string{
 		"no fingerprint":        {"machine", "host-key", "accept", m.String()},
 		"not a fingerprint":     {"machine", "host-key", "accept", m.String(), "--fingerprint", "MD5:00:11"},
-		"another fingerprint":   {"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(newHostKey(t))},
+		"another fingerprint":   {"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(sshtest.NewKey(t).PublicKey())},
 		"the recorded key's":    {"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(old)},
 		"not a uuid":            {"machine", "host-key", "accept", "m-1", "--fingerprint", fp},
 		"unknown machine":       {"machine", "host-key", "accept", uuid.NewString(), "--fingerprint", fp},

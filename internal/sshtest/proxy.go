@@ -3,6 +3,7 @@ package sshtest
 import (
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -28,6 +29,15 @@ type Proxy struct {
 	conns  map[net.Conn]struct{}
 	closed bool
 	wg     sync.WaitGroup // the accept loop and every connection's goroutines
+}
+
+// UntilSilenced is a shell command for the machine behind a Proxy: it
+// creates the file marker (an absolute path; the test waits for it before
+// it silences the proxy) and then prints a line every 200ms until its
+// output goes nowhere, so it runs for as long as its session does and ends
+// on its own once the connection is gone.
+func UntilSilenced(marker string) string {
+	return "touch '" + strings.ReplaceAll(marker, "'", `'\''`) + "'; while :; do echo . || exit; sleep 0.2; done"
 }
 
 // proxyDialTimeout bounds the proxy's connection to its target.

@@ -162,6 +162,21 @@ type Host struct {
 	gl             *glServer   // when Kind is Gliderlabs
 }
 
+// NewKey returns a fresh ed25519 SSH key, for a test's client (put its
+// public half in Config.AuthorizedKeys) or wherever a test needs a key.
+func NewKey(t testing.TB) ssh.Signer {
+	t.Helper()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ssh.NewSignerFromKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 // FindSSHD returns the absolute path of the OpenSSH server: /usr/sbin/sshd
 // if it exists, else sshd on PATH. sshd must be started by absolute path,
 // because it re-executes argv[0] for every connection and on SIGHUP.

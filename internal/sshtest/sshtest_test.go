@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -40,20 +39,6 @@ func forEachKind(t *testing.T, f func(t *testing.T, kind Kind)) {
 			f(t, k)
 		})
 	}
-}
-
-// newClientKey generates an ed25519 client key.
-func newClientKey(t *testing.T) ssh.Signer {
-	t.Helper()
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
 }
 
 // errHostKeyMismatch is what the tests' host key callback returns for a key
@@ -190,7 +175,7 @@ func upload(t *testing.T, sc *sftp.Client, path string, data []byte, mode os.Fil
 
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
-	key := newClientKey(t).PublicKey()
+	key := NewKey(t).PublicKey()
 	tests := []struct {
 		name    string
 		cfg     Config
@@ -276,7 +261,7 @@ func TestFindSSHD(t *testing.T) {
 func TestCommandsAndSFTP(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		start := time.Now()
 		hosts := Start(t, 3, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
 		t.Logf("started 3 %s servers in %s", kind, time.Since(start))
@@ -347,7 +332,7 @@ func TestCommandsAndSFTP(t *testing.T) {
 func TestSFTPRenameOverExisting(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		sc := newSFTP(t, mustDial(t, h, key))
 		from, to := filepath.Join(h.Dir, "from"), filepath.Join(h.Dir, "to")
@@ -369,7 +354,7 @@ func TestSFTPRenameOverExisting(t *testing.T) {
 func TestUnauthorizedLoginRefused(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key, other := newClientKey(t), newClientKey(t)
+		key, other := NewKey(t), NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		if c, err := dial(t.Context(), h, h.User, other, h.HostKey); err == nil {
 			c.Close()
@@ -389,7 +374,7 @@ func TestUnauthorizedLoginRefused(t *testing.T) {
 func TestRestartAndChangeHostKey(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		addr, oldKey := h.Addr, h.HostKey
 		established := mustDial(t, h, key)
@@ -475,7 +460,7 @@ func processAlive(pid int, want string) bool {
 func TestDetachedProcessOutlivesSession(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		c, err := dial(t.Context(), h, h.User, key, h.HostKey)
 		if err != nil {
@@ -520,7 +505,7 @@ func TestDetachedProcessOutlivesSession(t *testing.T) {
 func TestStopWithSessionRunning(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		var c *ssh.Client
 		var pid int
 		t.Cleanup(func() {
@@ -574,7 +559,7 @@ func TestStopWithSessionRunning(t *testing.T) {
 func TestSIGHUPThroughSSH(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		if kind != OpenSSH {
 			if h.PIDFile() != "" {
@@ -612,7 +597,7 @@ func TestSIGHUPThroughSSH(t *testing.T) {
 func TestCleanupStopsServer(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		var h *Host
 		var pid int
 		t.Run("inner", func(t *testing.T) {
@@ -652,7 +637,7 @@ func TestOddDirectoryNames(t *testing.T) {
 	t.Setenv("TMPDIR", odd)
 	for _, kind := range Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
-			key := newClientKey(t)
+			key := NewKey(t)
 			h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 			if !strings.HasPrefix(h.Dir, odd) {
 				t.Fatalf("Dir = %q, want it under %q", h.Dir, odd)
@@ -696,7 +681,7 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func(context
 func TestAllHostKeyTypes(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		var types []string
 		for _, k := range h.HostKeys {
@@ -751,7 +736,7 @@ func TestAllHostKeyTypes(t *testing.T) {
 func TestPasswordAttemptsCounted(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, Password: "sshtest-pw"})[0]
 		if n := h.PasswordAttempts(); n != 0 {
 			t.Fatalf("PasswordAttempts before any login = %d", n)
@@ -805,7 +790,7 @@ func TestPasswordAttemptsCounted(t *testing.T) {
 func TestProxySilence(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		p := StartProxy(t, h.Addr.String())
 		via := *h

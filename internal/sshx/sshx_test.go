@@ -2,8 +2,6 @@ package sshx
 
 import (
 	"context"
-	"crypto/ed25519"
-	"crypto/rand"
 	"errors"
 	"fmt"
 	"net"
@@ -46,7 +44,7 @@ func TestDialTimeoutIsDeadlineExceeded(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err = Dial(ctx, Target{Addr: ln.Addr().String(), User: "root", Keys: []ssh.Signer{newSigner(t)}, FirstUse: trustAny})
+	_, err = Dial(ctx, Target{Addr: ln.Addr().String(), User: "root", Keys: []ssh.Signer{sshtest.NewKey(t)}, FirstUse: trustAny})
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Dial to a silent server: %v, want DeadlineExceeded", err)
 	}
@@ -57,10 +55,24 @@ func TestDialTimeoutIsDeadlineExceeded(t *testing.T) {
 
 func TestDialNeedsHostKeyCheck(t *testing.T) {
 	t.Parallel()
-	_, err := Dial(t.Context(), Target{Addr: "127.0.0.1:1", User: "root", Keys: []ssh.Signer{newSigner(t)}})
+	_, err := Dial(t.Context(), Target{Addr: "127.0.0.1:1", User: "root", Keys: []ssh.Signer{sshtest.NewKey(t)}})
 	if err == nil || !strings.Contains(err.Error(), "no host key check") {
 		t.Fatalf("Dial without a host key check: %v", err)
 	}
+}
+
+// dialOnce logs in to h as its user with tg (Addr and User filled in),
+// within 30s, and logs out again.
+func dialOnce(t *testing.T, h *sshtest.Host, tg Target) error {
+	t.Helper()
+	tg.Addr, tg.User = h.Addr.String(), h.User
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	c, err := Dial(ctx, tg)
+	if err == nil {
+		c.Close()
+	}
+	return err
 }
 
 // trustAny is a FirstUse that trusts every key.
@@ -75,18 +87,12 @@ func TestDialAsksForTheKeyInForce(t *testing.T) {
 	for _, kind := range sshtest.Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
 			t.Parallel()
-			key := newSigner(t)
+			key := sshtest.NewKey(t)
 			auth := []ssh.PublicKey{key.PublicKey()}
 			h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: auth})[0]
 			dial := func(tg Target) error {
-				tg.Addr, tg.User, tg.Keys = h.Addr.String(), h.User, []ssh.Signer{key}
-				ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-				defer cancel()
-				c, err := Dial(ctx, tg)
-				if err == nil {
-					c.Close()
-				}
-				return err
+				tg.Keys = []ssh.Signer{key}
+				return dialOnce(t, h, tg)
 			}
 			for _, k := range h.HostKeys {
 				if err := dial(Target{HostKey: k}); err != nil {
@@ -99,7 +105,7 @@ func TestDialAsksForTheKeyInForce(t *testing.T) {
 			} else if string(first.Marshal()) != string(h.HostKey.Marshal()) {
 				t.Errorf("first use was presented %s, want the ed25519 key %s", Describe(first), Describe(h.HostKey))
 			}
-			other := newSigner(t).PublicKey()
+			other := sshtest.NewKey(t).PublicKey()
 			var mm *HostKeyMismatchError
 			if err := dial(Target{HostKey: other}); !errors.As(err, &mm) || !errors.Is(err, ErrHostKeyMismatch) ||
 				string(mm.Got.Marshal()) != string(h.HostKey.Marshal()) {
@@ -109,9 +115,7 @@ func TestDialAsksForTheKeyInForce(t *testing.T) {
 			// A server reinstalled with only an ed25519 key no longer has
 			// the ECDSA key in force.
 			h2 := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: auth})[0]
-			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-			defer cancel()
-			_, err := Dial(ctx, Target{Addr: h2.Addr.String(), User: h2.User, Keys: []ssh.Signer{key}, HostKey: h.HostKeys[1]})
+			err := dialOnce(t, h2, Target{Keys: []ssh.Signer{key}, HostKey: h.HostKeys[1]})
 			if !errors.As(err, &mm) || mm.Got == nil || string(mm.Got.Marshal()) != string(h2.HostKey.Marshal()) {
 				t.Errorf("with a key of a type the server lacks: %v, want a mismatch naming the server's ed25519 key", err)
 			}
@@ -130,14 +134,8 @@ func TestSecretsGoOnlyToVerifiedServers(t *testing.T) {
 			const pw = "sshx-S3CR3T"
 			hosts := sshtest.Start(t, 3, sshtest.Config{Kind: kind, Password: pw})
 			dial := func(h *sshtest.Host, tg Target) error {
-				tg.Addr, tg.User, tg.Keys, tg.SecretAuth = h.Addr.String(), h.User, []ssh.Signer{newSigner(t)}, []ssh.AuthMethod{ssh.Password(pw)}
-				ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-				defer cancel()
-				c, err := Dial(ctx, tg)
-				if err == nil {
-					c.Close()
-				}
-				return err
+				tg.Keys, tg.SecretAuth = []ssh.Signer{sshtest.NewKey(t)}, []ssh.AuthMethod{ssh.Password(pw)}
+				return dialOnce(t, h, tg)
 			}
 			err := dial(hosts[0], Target{FirstUse: trustAny})
 			if !errors.Is(err, ErrSecretsWithheld) || hosts[0].PasswordAttempts() != 0 {
@@ -184,26 +182,6 @@ func loginVia(t *testing.T, h *sshtest.Host, addr string, key ssh.Signer) *ssh.C
 	return client
 }
 
-func newSigner(t *testing.T) ssh.Signer {
-	t.Helper()
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-// silentCommand starts, writes marker, and then prints a dot every 200ms
-// until its output goes nowhere: a command that runs until the peer is
-// gone, and then stops on its own.
-func silentCommand(marker string) string {
-	return "touch '" + marker + "'; while :; do echo . || exit; sleep 0.2; done"
-}
-
 // TestRunReturnsAtDeadlineWhenPeerGoesSilent runs a command through a
 // proxy that goes silent once the command started (a machine that reset
 // without closing the connection): Run must return at its deadline, say
@@ -213,7 +191,7 @@ func TestRunReturnsAtDeadlineWhenPeerGoesSilent(t *testing.T) {
 	for _, kind := range sshtest.Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
 			t.Parallel()
-			key := newSigner(t)
+			key := sshtest.NewKey(t)
 			h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 			proxy := sshtest.StartProxy(t, h.Addr.String())
 			c := loginVia(t, h, proxy.Addr.String(), key)
@@ -222,7 +200,7 @@ func TestRunReturnsAtDeadlineWhenPeerGoesSilent(t *testing.T) {
 			defer cancel()
 			done := make(chan error, 1)
 			go func() {
-				_, err := Run(ctx, c, silentCommand(marker), nil, 1024)
+				_, err := Run(ctx, c, sshtest.UntilSilenced(marker), nil, 1024)
 				done <- err
 			}()
 			waitForFile(t, marker)

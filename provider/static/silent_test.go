@@ -30,7 +30,7 @@ func TestRebootIssuedWhenPeerGoesSilent(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "inventory.yaml")
 			writeFile(t, path, fmt.Sprintf("machines:\n  - {id: m, address: %s, port: %d, host_key: %q, reboot_command: %q}\n",
 				proxy.Addr.Addr(), proxy.Addr.Port(), authorizedKey(h.HostKey),
-				"touch '"+marker+"'; while :; do echo . || exit; sleep 0.2; done"))
+				sshtest.UntilSilenced(marker)))
 			p, err := New(Config{Inventory: path, SSHTimeout: 2 * time.Second, Env: provider.Env{SSHSigner: key, SSHUser: h.User}})
 			if err != nil {
 				t.Fatal(err)
