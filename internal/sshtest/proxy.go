@@ -31,13 +31,15 @@ type Proxy struct {
 	wg     sync.WaitGroup // the accept loop and every connection's goroutines
 }
 
-// UntilSilenced is a shell command for the machine behind a Proxy: it
-// creates the file marker (an absolute path; the test waits for it before
-// it silences the proxy) and then prints a line every 200ms until its
-// output goes nowhere, so it runs for as long as its session does and ends
-// on its own once the connection is gone.
+// UntilSilenced is a shell command for the machine behind a Proxy. It
+// reads its stdin to the end, which an x/crypto/ssh client closes only once
+// the server confirmed that the command started; then it creates the file
+// marker (an absolute path: the test waits for it before it silences the
+// proxy, knowing the client saw the command start), and prints a line
+// every 200ms until its output goes nowhere: it runs as long as its session
+// and ends on its own once the connection is gone.
 func UntilSilenced(marker string) string {
-	return "touch '" + strings.ReplaceAll(marker, "'", `'\''`) + "'; while :; do echo . || exit; sleep 0.2; done"
+	return "cat >/dev/null; touch '" + strings.ReplaceAll(marker, "'", `'\''`) + "'; while :; do echo . || exit; sleep 0.2; done"
 }
 
 // proxyDialTimeout bounds the proxy's connection to its target.

@@ -186,9 +186,12 @@ func TestRebootRefusesUnverifiableHostKey(t *testing.T) {
 func TestRebootTimeout(t *testing.T) {
 	t.Parallel()
 	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: "+cmdHang+"}\n", provider.Env{})
-	f.p.cfg.SSHTimeout = 500 * time.Millisecond
+	f.p.cfg.SSHTimeout = 2 * time.Second
 	if err := f.p.RebootMachine(t.Context(), "a"); err != nil {
 		t.Errorf("RebootMachine with a command that runs past SSHTimeout: %v, want the reboot counted as issued", err)
+	}
+	if got := f.srv.received(); len(got) != 1 || got[0].cmd != cmdHang {
+		t.Errorf("the server ran %v, want the hanging command", got)
 	}
 }
 
