@@ -452,6 +452,10 @@ type MachineDetail struct {
 	HostKey           []byte
 	HostKeyPinned     bool
 	HostKeyRecordedAt *time.Time
+	// OfferedHostKey is the key the machine last presented instead of
+	// HostKey, at OfferedHostKeyAt: the key an operator may accept.
+	OfferedHostKey   []byte
+	OfferedHostKeyAt *time.Time
 	// DecommissionRequested is nil unless an operator asked for the
 	// machine to leave the fleet; for a decommissioned machine it is what
 	// the decommission record kept of the request.
@@ -543,6 +547,8 @@ func machineDetail(r model.MachineGetRow) MachineDetail {
 		HostKey:           r.HostKey,
 		HostKeyPinned:     r.HostKeyPinned,
 		HostKeyRecordedAt: r.HostKeyRecordedAt,
+		OfferedHostKey:    r.OfferedHostKey,
+		OfferedHostKeyAt:  r.HostKeyOfferedAt,
 	}
 	if r.ProviderIPAddress != nil {
 		d.Address = *r.ProviderIPAddress

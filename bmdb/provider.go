@@ -3,6 +3,8 @@ package bmdb
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -310,10 +312,124 @@ func recordHostKey(ctx context.Context, q *model.Queries, machine uuid.UUID, key
 	return r.HostKey, r.Pinned, err
 }
 
-// ClearHostKey forgets the machine's recorded SSH host key, for a recovery
-// that reinstalled it (SPEC §3.3).
+// OfferHostKey keeps key (SSH wire format), which the machine presented
+// instead of the host key in force, so that an operator can accept it with
+// AcceptHostKey. It reports whether it kept it: not when no key is in
+// force, or key is the one in force. A later offer replaces an earlier one.
+func (db *DB) OfferHostKey(ctx context.Context, machine uuid.UUID, key []byte) (bool, error) {
+	var n int64
+	err := db.retry(ctx, func(ctx context.Context) error {
+		var err error
+		n, err = db.q.HostKeyOffer(ctx, model.HostKeyOfferParams{MachineID: machine, OfferedHostKey: key})
+		return err
+	})
+	if err != nil {
+		return false, fmt.Errorf("bmdb: keeping the host key machine %s offered: %w", machine, err)
+	}
+	return n > 0, nil
+}
+
+// ErrNoOfferedHostKey means the machine has presented no SSH host key
+// other than the one in force since it was recorded: there is nothing to
+// accept.
+var ErrNoOfferedHostKey = errors.New("bmdb: the machine has presented no other SSH host key")
+
+// ErrOfferedHostKeyDiffers means the key the machine presented instead of
+// the one in force has a fingerprint other than the one the operator
+// accepted (it presented yet another key since they looked): nothing was
+// changed.
+var ErrOfferedHostKeyDiffers = errors.New("bmdb: the SSH host key the machine presented has another fingerprint")
+
+// HostKeyChange is a host key an operator accepted: the key it replaced
+// and the new one (SSH wire format) with their SHA-256 fingerprints.
+type HostKeyChange struct {
+	Old, New                       []byte
+	OldFingerprint, NewFingerprint string
+	// OldPinned says the replaced key had been pinned by the provider.
+	OldPinned bool
+	// OfferedAt is when the machine last presented the new key.
+	OfferedAt time.Time
+}
+
+// HostKeyFingerprint returns the SHA-256 fingerprint of a public key in
+// SSH wire format, as ssh-keygen -l prints it ("SHA256:" and unpadded
+// base64).
+func HostKeyFingerprint(key []byte) string {
+	sum := sha256.Sum256(key)
+	return "SHA256:" + base64.RawStdEncoding.EncodeToString(sum[:])
+}
+
+// hostKeyProcesses are the processes that SSH into a machine, and whose
+// backoffs an accepted host key clears: the agent start and the recovery
+// (whose reboot goes over SSH for a static inventory).
+var hostKeyProcesses = []string{string(ProcessAgentStart), string(ProcessRecovery)}
+
+// AcceptHostKey makes the key the machine presented instead of the one in
+// force its recorded key (trust on first use starts over from it), if that
+// key has the SHA-256 fingerprint the operator checked. In the same
+// transaction it clears the AgentStart and Recovery backoffs and
+// quarantines of the machine, so that they try it again at once, and writes
+// history Reset saying which key replaced which, with by (who asked) and
+// reason. Errors: ErrNotFound (no key in force), ErrNoOfferedHostKey,
+// ErrOfferedHostKeyDiffers; none of them changes anything.
+func (db *DB) AcceptHostKey(ctx context.Context, machine uuid.UUID, fingerprint, by, reason string) (HostKeyChange, error) {
+	var ch HostKeyChange
+	err := db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+		r, err := q.HostKeyLock(ctx, machine)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrNotFound
+		} else if err != nil {
+			return err
+		}
+		if r.OfferedHostKey == nil || r.OfferedAt == nil {
+			return ErrNoOfferedHostKey
+		}
+		ch = HostKeyChange{
+			Old: r.HostKey, New: r.OfferedHostKey, OldPinned: r.Pinned, OfferedAt: *r.OfferedAt,
+			OldFingerprint: HostKeyFingerprint(r.HostKey), NewFingerprint: HostKeyFingerprint(r.OfferedHostKey),
+		}
+		if ch.NewFingerprint != fingerprint {
+			return fmt.Errorf("%w: it presented %s, not %s", ErrOfferedHostKeyDiffers, ch.NewFingerprint, fingerprint)
+		}
+		if err := q.HostKeyAccept(ctx, machine); err != nil {
+			return err
+		}
+		cause := fmt.Sprintf("SSH host key %s replaced by %s (presented %s), accepted by %s",
+			ch.OldFingerprint, ch.NewFingerprint, ch.OfferedAt.UTC().Format(time.RFC3339), by)
+		if ch.OldPinned {
+			cause = "pinned " + cause
+		}
+		if reason != "" {
+			cause += ": " + reason
+		}
+		return q.HostKeyAcceptHistory(ctx, model.HostKeyAcceptHistoryParams{
+			MachineID: machine, Cause: cause, Process: string(ProcessAgentStart), Processes: hostKeyProcesses,
+		})
+	})
+	switch {
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrNoOfferedHostKey), errors.Is(err, ErrOfferedHostKeyDiffers):
+		return ch, err
+	case err != nil:
+		return ch, fmt.Errorf("bmdb: accepting the host key of machine %s: %w", machine, err)
+	}
+	return ch, nil
+}
+
+// AcceptHostKeyCommand is the operator command that runs AcceptHostKey for
+// the key with the given fingerprint, as host key mismatch causes, `shepherd
+// machine show` and the web UI name it.
+func AcceptHostKeyCommand(machine uuid.UUID, fingerprint string) string {
+	return fmt.Sprintf("shepherd machine host-key accept %s --fingerprint %s", machine, fingerprint)
+}
+
+// ClearHostKey forgets the host key the machine's first use recorded (and
+// any key it presented instead), for a reinstall, which gives the machine
+// new host keys (SPEC §3.3): call it in the transaction that records the
+// reinstall, so that the next takeover trusts the reinstalled machine's
+// key on first use. A key pinned by the provider stays: the provider, not
+// a reinstall, decides about it.
 func (tx *Tx) ClearHostKey(ctx context.Context, machine uuid.UUID) error {
-	if err := tx.q.HostKeyClear(ctx, machine); err != nil {
+	if _, err := tx.q.HostKeyClear(ctx, machine); err != nil {
 		return fmt.Errorf("bmdb: clearing host key of machine %s: %w", machine, err)
 	}
 	return nil

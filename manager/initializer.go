@@ -1,7 +1,6 @@
 package manager
 
 import (
-	"bytes"
 	"cmp"
 	"context"
 	"crypto/ed25519"
@@ -17,7 +16,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/pkg/sftp"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/crypto/ssh"
@@ -135,8 +133,7 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	if err != nil {
 		return nil, fmt.Errorf("asking %s for machine %s: %w", in.p.Name(), t.Machine.ProviderID, err)
 	}
-	target := sshx.Target{Addr: m.Addr().String(), User: in.cfg.SSHUser}
-	signers := []ssh.Signer{in.cfg.SSHKey}
+	target := sshx.Target{Addr: m.Addr().String(), User: in.cfg.SSHUser, Keys: []ssh.Signer{in.cfg.SSHKey}}
 	var pinned ssh.PublicKey
 	if a, ok := in.p.(provider.SSHAccessor); ok {
 		access, err := a.SSHAccess(ctx, t.Machine.ProviderID)
@@ -146,33 +143,34 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 		if access.User != "" {
 			target.User = access.User
 		}
-		// One publickey method with every key: a client does not try the
-		// method again after the server rejected it.
-		signers = append(signers, access.Signers...)
-		target.Auth = append(target.Auth, access.Auth...)
+		target.SecretKeys, target.SecretAuth, target.SecretsOnFirstUse = access.Signers, access.Auth, access.SecretsOnFirstUse
 		target.Dial = access.Dial
 		pinned = access.HostKey
 	}
-	target.Auth = append([]ssh.AuthMethod{ssh.PublicKeys(signers...)}, target.Auth...)
 	if target.Dial == nil && !m.Addr().IsValid() {
 		return nil, fmt.Errorf("%s has no address for machine %s yet", in.p.Name(), t.Machine.ProviderID)
 	}
-	trust := &hostKeyTrust{db: in.db, machine: t.Machine.MachineID, pinned: pinned}
-	target.HostKey = trust.callback(ctx)
+	trust, err := loadHostKeyTrust(ctx, in.db, t.Machine.MachineID, pinned)
+	if err != nil {
+		return nil, err
+	}
+	trust.apply(&target)
 
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.ConnectTimeout)
 	client, err := sshx.Dial(dctx, target)
 	cancel()
-	if err != nil {
-		return nil, err
+	if errors.Is(err, sshx.ErrSecretsWithheld) {
+		return nil, fmt.Errorf("%w; to send them, pin the machine's host key at the provider (a static inventory's host_key) or opt it into trust on first use (trust_on_first_use: true)", err)
+	} else if err != nil {
+		return nil, trust.explain(ctx, in.db, err)
 	}
 	defer client.Close()
 
 	ectx, cancel := context.WithTimeout(ctx, in.cfg.ExecTimeout)
 	defer cancel()
 	// Closing the connection is what stops SFTP and the remote command when
-	// the exec timeout strikes.
-	stop := context.AfterFunc(ectx, func() { client.Close() })
+	// the exec timeout strikes, even if the machine went silent.
+	stop := sshx.CloseWhenDone(ectx, client)
 	defer stop()
 
 	dir := expandAgentDir(in.cfg.AgentDir, t.Machine)
@@ -323,96 +321,4 @@ func truncate(s string, n int) string {
 		return s
 	}
 	return s[:n] + "..."
-}
-
-// hostKeyCallback verifies a machine's SSH host key against the BMDB and
-// records it at once: a pinned key from the provider must match (and is
-// recorded as pinned); otherwise the first key seen is recorded and every
-// later one must equal it (trust on first use). A mismatch is never
-// accepted silently.
-func hostKeyCallback(ctx context.Context, db *bmdb.DB, machine uuid.UUID, pinned ssh.PublicKey) ssh.HostKeyCallback {
-	return func(_ string, _ net.Addr, got ssh.PublicKey) error {
-		key, pin := got, false
-		if pinned != nil {
-			if err := sshx.CheckKey(pinned)("", nil, got); err != nil {
-				return fmt.Errorf("%w (pinned by the provider)", err)
-			}
-			key, pin = pinned, true
-		}
-		recorded, _, err := db.RecordHostKey(ctx, machine, key.Marshal(), pin)
-		if err != nil {
-			return err
-		}
-		return sameHostKey(recorded, got)
-	}
-}
-
-// hostKeyTrust verifies a machine's SSH host key during a takeover like
-// hostKeyCallback, but records a newly trusted key only with the takeover's
-// result (in the Finish transaction): a takeover then commits once, and a
-// key is trusted on first use only once a takeover through it succeeded.
-type hostKeyTrust struct {
-	db      *bmdb.DB
-	machine uuid.UUID
-	pinned  ssh.PublicKey
-
-	// offered is the key the server presented; set by the callback.
-	offered ssh.PublicKey
-	// record says the key in force is not yet the one recorded.
-	record bool
-}
-
-// callback checks the offered key against the pinned or recorded one.
-func (h *hostKeyTrust) callback(ctx context.Context) ssh.HostKeyCallback {
-	return func(_ string, _ net.Addr, got ssh.PublicKey) error {
-		h.offered = got
-		if h.pinned != nil {
-			if err := sshx.CheckKey(h.pinned)("", nil, got); err != nil {
-				return fmt.Errorf("%w (pinned by the provider)", err)
-			}
-		}
-		recorded, pinned, err := h.db.HostKey(ctx, h.machine)
-		switch {
-		case errors.Is(err, bmdb.ErrNotFound):
-			h.record = true
-			return nil
-		case err != nil:
-			return err
-		case h.pinned != nil:
-			// The provider's pin wins over a key recorded on first use.
-			h.record = !pinned || !bytes.Equal(recorded, h.pinned.Marshal())
-			return nil
-		}
-		return sameHostKey(recorded, got)
-	}
-}
-
-// save records the trusted key in tx, failing if another key was recorded
-// since the callback read it.
-func (h *hostKeyTrust) save(ctx context.Context, tx *bmdb.Tx) error {
-	if !h.record {
-		return nil
-	}
-	key, pin := h.offered, false
-	if h.pinned != nil {
-		key, pin = h.pinned, true
-	}
-	recorded, _, err := tx.RecordHostKey(ctx, h.machine, key.Marshal(), pin)
-	if err != nil {
-		return err
-	}
-	return sameHostKey(recorded, h.offered)
-}
-
-// sameHostKey returns nil if the recorded key (SSH wire format) is got, and
-// an ErrHostKeyMismatch naming both fingerprints otherwise.
-func sameHostKey(recorded []byte, got ssh.PublicKey) error {
-	if bytes.Equal(recorded, got.Marshal()) {
-		return nil
-	}
-	want, err := ssh.ParsePublicKey(recorded)
-	if err != nil {
-		return fmt.Errorf("%w: the recorded key is unreadable: %v", sshx.ErrHostKeyMismatch, err)
-	}
-	return fmt.Errorf("%w: recorded %s, offered %s", sshx.ErrHostKeyMismatch, ssh.FingerprintSHA256(want), ssh.FingerprintSHA256(got))
 }

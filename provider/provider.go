@@ -148,10 +148,17 @@ type SSHAccess struct {
 	// Signers are extra client keys (an inventory's key for the machine),
 	// offered together with the initializer's own key: an SSH client does
 	// not try the publickey method again once the server rejected it.
+	// Like Auth they are the machine's secrets: they go only to a server
+	// whose host key is pinned or recorded, unless SecretsOnFirstUse.
 	Signers []ssh.Signer
 	// Auth are extra non-key authentication methods (a password from an
 	// inventory's secret file), tried after the keys.
 	Auth []ssh.AuthMethod
+	// SecretsOnFirstUse lets Signers and Auth go to a server whose host
+	// key is not verified yet (none pinned or recorded): the operator opted
+	// the machine into trust on first use. Without it only Shepherd's own
+	// key is offered until a key is recorded.
+	SecretsOnFirstUse bool
 	// HostKey is the machine's pinned host key; nil means trust on first use.
 	HostKey ssh.PublicKey
 	// Dial connects to the machine's SSH server; nil means TCP to Addr.
@@ -165,11 +172,27 @@ type SSHAccessor interface {
 	SSHAccess(ctx context.Context, id string) (SSHAccess, error)
 }
 
-// HostKeyChecker verifies the SSH host key a machine presents, as the BMDB
-// knows it (pinned or recorded on first use). Providers that SSH into
-// machines themselves (to reboot them) are given one.
+// HostKeyChecker gives providers that SSH into machines themselves (to
+// reboot them) the BMDB's record of their SSH host keys, which the
+// initializer keeps.
 type HostKeyChecker interface {
-	CheckHostKey(ctx context.Context, providerID string, key ssh.PublicKey) error
+	// KnownHostKey returns the host key recorded for the provider's machine
+	// providerID, or nil if none is recorded yet.
+	KnownHostKey(ctx context.Context, providerID string) (ssh.PublicKey, error)
+	// HostKeyMismatch turns err, a failed login against the recorded key
+	// that wraps an sshx host key mismatch, into the error to report: it
+	// keeps the key presented so that an operator can accept it, and names
+	// how. Other errors are returned as they are.
+	HostKeyMismatch(ctx context.Context, providerID string, err error) error
+}
+
+// Reloader is implemented by providers whose configuration lives in files
+// an operator edits (a static inventory and the secret files it names).
+// The process calls Reload when it gets SIGHUP, after rotating a secret,
+// say. A failed reload keeps the configuration in force and returns (and
+// logs) what is wrong with the files.
+type Reloader interface {
+	Reload() error
 }
 
 // Errors providers wrap so that callers can test them with errors.Is.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"golang.org/x/crypto/ssh"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/shepherd/shepherd/agent/install"
@@ -31,7 +32,8 @@ var (
 	actionReset        = action{name: "reset", title: "Reset backoff"}
 	actionDecommission = action{name: "decommission", title: "Decommission", danger: true}
 	actionInstall      = action{name: "install", title: "Request OS installation", danger: true}
-	actions            = []action{actionReset, actionDecommission, actionInstall}
+	actionHostKey      = action{name: "host-key", title: "Accept SSH host key", danger: true}
+	actions            = []action{actionReset, actionDecommission, actionInstall, actionHostKey}
 )
 
 const (
@@ -94,6 +96,19 @@ type confirmData struct {
 	// Install is the installation request being asked for.
 	ImageURL, SHA256, TargetDevice string
 	Reboot                         bool
+	// HostKey is the host key change being accepted: the form carries the
+	// presented key's fingerprint, so that the accept changes nothing if
+	// the machine presented yet another key since the page was shown.
+	HostKey *hostKeyChange
+}
+
+// hostKeyChange is what the host key accept's confirmation page shows.
+type hostKeyChange struct {
+	Recorded, Offered string // type and SHA-256 fingerprint
+	RecordedPinned    bool
+	OfferedAt         *time.Time
+	// Fingerprint is the offered key's, as the form posts it.
+	Fingerprint string
 }
 
 // machineHeader names the machine an action is about.
@@ -131,6 +146,15 @@ func (s *Server) fillConfirm(r *http.Request, a action, id uuid.UUID, d *confirm
 	d.Action, d.Title, d.Danger = a.name, a.title, a.danger
 	d.Machine = machineHeader{ID: id, Provider: m.Provider, ProviderID: m.ProviderID, State: m.State}
 	d.CSRF = s.csrf.token(a.name, id, time.Now())
+	if a == actionHostKey {
+		if len(m.HostKey) == 0 || len(m.OfferedHostKey) == 0 {
+			return notFound("machine %s has presented no SSH host key other than its recorded one: there is nothing to accept", id)
+		}
+		d.HostKey = &hostKeyChange{
+			Recorded: describeKey(m.HostKey), Offered: describeKey(m.OfferedHostKey), RecordedPinned: m.HostKeyPinned,
+			OfferedAt: m.OfferedHostKeyAt, Fingerprint: bmdb.HostKeyFingerprint(m.OfferedHostKey),
+		}
+	}
 	if a == actionReset {
 		p := bmdb.Process(d.Process)
 		if err := p.Validate(); err != nil {
@@ -218,6 +242,20 @@ func (s *Server) act(a action) http.Handler {
 		case actionDecommission:
 			err = s.db.RequestDecommission(ctx, id, operatorName, reason)
 			done = "decommission requested"
+		case actionHostKey:
+			fp := f.Get("fingerprint")
+			var ch bmdb.HostKeyChange
+			ch, err = s.db.AcceptHostKey(ctx, id, fp, operatorName, reason)
+			switch {
+			case errors.Is(err, bmdb.ErrOfferedHostKeyDiffers):
+				refuse(http.StatusConflict, "The machine presented another key since this page was shown: check the key below and confirm again.")
+				return
+			case errors.Is(err, bmdb.ErrNoOfferedHostKey), errors.Is(err, bmdb.ErrNotFound):
+				s.fail(w, r, notFound("machine %s has presented no SSH host key other than its recorded one: there is nothing to accept", id))
+				return
+			}
+			log = log.With("old_fingerprint", ch.OldFingerprint, "new_fingerprint", ch.NewFingerprint)
+			done = "SSH host key accepted"
 		case actionInstall:
 			req := &agentv1.OSInstallationRequest{
 				ImageUrl: d.ImageURL, ImageSha256: d.SHA256, TargetDevice: d.TargetDevice, RebootAfter: d.Reboot,
@@ -249,6 +287,16 @@ func (s *Server) act(a action) http.Handler {
 		// from the URL, which anyone can link to.
 		http.Redirect(w, r, "/machines/"+id.String()+"?done="+a.name, http.StatusSeeOther)
 	})
+}
+
+// describeKey names a host key in SSH wire format by type and SHA-256
+// fingerprint.
+func describeKey(raw []byte) string {
+	k, err := ssh.ParsePublicKey(raw)
+	if err != nil {
+		return bmdb.HostKeyFingerprint(raw) + " (does not parse: " + err.Error() + ")"
+	}
+	return k.Type() + " " + ssh.FingerprintSHA256(k)
 }
 
 // operatorName is who the BMDB records as asking, for actions from the web

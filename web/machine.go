@@ -26,13 +26,16 @@ type machineData struct {
 	Hardware *hardwareView
 	HWError  string
 	Install  *installView
-	// AgentKey is the agent's public key (base64); HostKey the SHA-256
-	// fingerprint of the SSH host key.
-	AgentKey, HostKey string
-	HostKeyError      string
-	History           []bmdb.HistoryEvent
-	HistoryNext       string
-	HistoryFirst      bool
+	// AgentKey is the agent's public key (base64); HostKey the type and
+	// SHA-256 fingerprint of the SSH host key, OfferedHostKey those of the
+	// key the machine presented instead, AcceptHostKey the CLI command that
+	// accepts it.
+	AgentKey, HostKey             string
+	HostKeyError                  string
+	OfferedHostKey, AcceptHostKey string
+	History                       []bmdb.HistoryEvent
+	HistoryNext                   string
+	HistoryFirst                  bool
 }
 
 // hardwareView is the decoded hardware report.
@@ -57,6 +60,7 @@ var doneMessages = map[string]string{
 	actionReset.name:        "Backoff reset: the machine is a candidate again.",
 	actionDecommission.name: "Decommission requested: the decommissioner takes the machine out of the fleet.",
 	actionInstall.name:      "Installation requested: the agent picks it up with its next heartbeat.",
+	actionHostKey.name:      "SSH host key accepted: the machine is taken over again with it.",
 }
 
 // machine serves a machine's page: every tag, the decoded hardware report,
@@ -93,6 +97,10 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 		} else {
 			d.HostKey = k.Type() + " " + ssh.FingerprintSHA256(k)
 		}
+	}
+	if len(m.OfferedHostKey) > 0 {
+		d.OfferedHostKey = describeKey(m.OfferedHostKey)
+		d.AcceptHostKey = bmdb.AcceptHostKeyCommand(id, bmdb.HostKeyFingerprint(m.OfferedHostKey))
 	}
 	if in := m.Installation; in != nil {
 		iv := &installView{Installation: *in, Installed: in.Installed()}

@@ -7,8 +7,9 @@
 //
 // It is read-only by default: every request but GET and HEAD is refused with
 // 405, and no page carries a form that changes anything. With
-// Config.Actions, operators can reset a backoff, request a decommission and
-// request an OS installation; each goes through a confirmation page and
+// Config.Actions, operators can reset a backoff, request a decommission,
+// request an OS installation and accept the SSH host key a machine presented
+// instead of its recorded one; each goes through a confirmation page and
 // needs the operator token (Config.OperatorToken) typed into it, a per-form
 // CSRF token and a same-origin request.
 //
@@ -63,8 +64,8 @@ type Config struct {
 	// Refresh is how often the overview, machine and sessions pages reload
 	// themselves; default 10s; negative turns reloading off.
 	Refresh time.Duration
-	// Actions enables the reset, decommission and install actions. They need
-	// OperatorToken.
+	// Actions enables the reset, decommission, install and host key accept
+	// actions. They need OperatorToken.
 	Actions bool
 	// OperatorToken authorizes actions; required with Actions.
 	OperatorToken Token

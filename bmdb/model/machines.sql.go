@@ -204,6 +204,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        r.generation AS report_generation, r.success AS report_success, r.error_message AS report_error,
        r.os_installation_report_raw AS report_raw, r.reported_at AS installation_reported_at,
        k.host_key, COALESCE(k.pinned, false)::boolean AS host_key_pinned, k.recorded_at AS host_key_recorded_at,
+       k.offered_host_key, k.offered_at AS host_key_offered_at,
        -- The request, or what the decommission record kept of it.
        (dr.machine_id IS NOT NULL)::boolean AS decommission_requested,
        dr.requested_at AS decommission_requested_at,
@@ -260,6 +261,8 @@ type MachineGetRow struct {
 	HostKey                 []byte
 	HostKeyPinned           bool
 	HostKeyRecordedAt       *time.Time
+	OfferedHostKey          []byte
+	HostKeyOfferedAt        *time.Time
 	DecommissionRequested   bool
 	DecommissionRequestedAt *time.Time
 	DecommissionedRequestAt *time.Time
@@ -302,6 +305,8 @@ func (q *Queries) MachineGet(ctx context.Context, arg MachineGetParams) (Machine
 		&i.HostKey,
 		&i.HostKeyPinned,
 		&i.HostKeyRecordedAt,
+		&i.OfferedHostKey,
+		&i.HostKeyOfferedAt,
 		&i.DecommissionRequested,
 		&i.DecommissionRequestedAt,
 		&i.DecommissionedRequestAt,

@@ -91,10 +91,12 @@ type MachineProvided struct {
 }
 
 type MachineSshHostKey struct {
-	MachineID  uuid.UUID
-	HostKey    []byte
-	Pinned     bool
-	RecordedAt time.Time
+	MachineID      uuid.UUID
+	HostKey        []byte
+	Pinned         bool
+	RecordedAt     time.Time
+	OfferedHostKey []byte
+	OfferedAt      *time.Time
 }
 
 type Process struct {

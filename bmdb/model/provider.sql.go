@@ -13,37 +13,145 @@ import (
 	"github.com/google/uuid"
 )
 
-const hostKeyClear = `-- name: HostKeyClear :exec
-DELETE FROM machine_ssh_host_key WHERE machine_id = $1
+const hostKeyAccept = `-- name: HostKeyAccept :exec
+UPDATE machine_ssh_host_key
+SET host_key = offered_host_key, pinned = false, recorded_at = now(), offered_host_key = NULL, offered_at = NULL
+WHERE machine_id = $1 AND offered_host_key IS NOT NULL
 `
 
-func (q *Queries) HostKeyClear(ctx context.Context, machineID uuid.UUID) error {
-	_, err := q.db.Exec(ctx, hostKeyClear, machineID)
+// HostKeyAccept makes the offered key the machine's recorded key.
+func (q *Queries) HostKeyAccept(ctx context.Context, machineID uuid.UUID) error {
+	_, err := q.db.Exec(ctx, hostKeyAccept, machineID)
 	return err
 }
 
+const hostKeyAcceptHistory = `-- name: HostKeyAcceptHistory :exec
+WITH cleared AS (
+    DELETE FROM work_backoff
+    WHERE machine_id = $1 AND process = ANY($4::text[])
+    RETURNING process
+)
+INSERT INTO work_history (machine_id, process, event, cause)
+SELECT $1, p.process, 'Reset', $2
+FROM (SELECT $3::text AS process UNION SELECT process FROM cleared) AS p
+`
+
+type HostKeyAcceptHistoryParams struct {
+	MachineID uuid.UUID
+	Cause     string
+	Process   string
+	Processes []string
+}
+
+// HostKeyAcceptHistory records an accepted host key in history: a Reset of
+// @process (agent start) always, and of each of @processes whose backoff or
+// quarantine it clears, so that they try the machine again at once. The
+// cause says which key replaced which and who asked.
+func (q *Queries) HostKeyAcceptHistory(ctx context.Context, arg HostKeyAcceptHistoryParams) error {
+	_, err := q.db.Exec(ctx, hostKeyAcceptHistory,
+		arg.MachineID,
+		arg.Cause,
+		arg.Process,
+		arg.Processes,
+	)
+	return err
+}
+
+const hostKeyClear = `-- name: HostKeyClear :execrows
+DELETE FROM machine_ssh_host_key WHERE machine_id = $1 AND NOT pinned
+`
+
+// HostKeyClear forgets the host key a machine's first use recorded (and any
+// key offered instead), for a reinstall: the reinstalled machine's first
+// key is trusted again. A pinned key stays: it is the provider's to change.
+func (q *Queries) HostKeyClear(ctx context.Context, machineID uuid.UUID) (int64, error) {
+	result, err := q.db.Exec(ctx, hostKeyClear, machineID)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const hostKeyGet = `-- name: HostKeyGet :one
-SELECT host_key, pinned, recorded_at FROM machine_ssh_host_key WHERE machine_id = $1
+SELECT host_key, pinned, recorded_at, offered_host_key, offered_at
+FROM machine_ssh_host_key WHERE machine_id = $1
 `
 
 type HostKeyGetRow struct {
-	HostKey    []byte
-	Pinned     bool
-	RecordedAt time.Time
+	HostKey        []byte
+	Pinned         bool
+	RecordedAt     time.Time
+	OfferedHostKey []byte
+	OfferedAt      *time.Time
 }
 
 func (q *Queries) HostKeyGet(ctx context.Context, machineID uuid.UUID) (HostKeyGetRow, error) {
 	row := q.db.QueryRow(ctx, hostKeyGet, machineID)
 	var i HostKeyGetRow
-	err := row.Scan(&i.HostKey, &i.Pinned, &i.RecordedAt)
+	err := row.Scan(
+		&i.HostKey,
+		&i.Pinned,
+		&i.RecordedAt,
+		&i.OfferedHostKey,
+		&i.OfferedAt,
+	)
 	return i, err
+}
+
+const hostKeyLock = `-- name: HostKeyLock :one
+SELECT host_key, pinned, offered_host_key, offered_at
+FROM machine_ssh_host_key WHERE machine_id = $1
+FOR UPDATE
+`
+
+type HostKeyLockRow struct {
+	HostKey        []byte
+	Pinned         bool
+	OfferedHostKey []byte
+	OfferedAt      *time.Time
+}
+
+// HostKeyLock reads a machine's host keys and locks them until the end of
+// the transaction, for an operator's accept.
+func (q *Queries) HostKeyLock(ctx context.Context, machineID uuid.UUID) (HostKeyLockRow, error) {
+	row := q.db.QueryRow(ctx, hostKeyLock, machineID)
+	var i HostKeyLockRow
+	err := row.Scan(
+		&i.HostKey,
+		&i.Pinned,
+		&i.OfferedHostKey,
+		&i.OfferedAt,
+	)
+	return i, err
+}
+
+const hostKeyOffer = `-- name: HostKeyOffer :execrows
+UPDATE machine_ssh_host_key
+SET offered_host_key = $1, offered_at = now()
+WHERE machine_id = $2 AND host_key <> $1
+`
+
+type HostKeyOfferParams struct {
+	OfferedHostKey []byte
+	MachineID      uuid.UUID
+}
+
+// HostKeyOffer keeps the key a machine presented instead of the one in
+// force, for an operator to accept. No row: no key is in force, or the
+// offered key is the one in force.
+func (q *Queries) HostKeyOffer(ctx context.Context, arg HostKeyOfferParams) (int64, error) {
+	result, err := q.db.Exec(ctx, hostKeyOffer, arg.OfferedHostKey, arg.MachineID)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const hostKeyRecord = `-- name: HostKeyRecord :one
 INSERT INTO machine_ssh_host_key AS k (machine_id, host_key, pinned)
 VALUES ($1, $2, $3)
 ON CONFLICT (machine_id) DO UPDATE
-SET host_key = EXCLUDED.host_key, pinned = true, recorded_at = now()
+SET host_key = EXCLUDED.host_key, pinned = true, recorded_at = now(), offered_host_key = NULL, offered_at = NULL
 WHERE EXCLUDED.pinned AND (NOT k.pinned OR k.host_key <> EXCLUDED.host_key)
 RETURNING host_key, pinned
 `
@@ -61,7 +169,8 @@ type HostKeyRecordRow struct {
 
 // HostKeyRecord records a machine's SSH host key unless one is recorded
 // already (trust on first use: the first key wins), and returns the key in
-// force. A pinned key replaces a key recorded on first use.
+// force. A pinned key replaces a key recorded on first use, and forgets a
+// key offered instead of the old one.
 func (q *Queries) HostKeyRecord(ctx context.Context, arg HostKeyRecordParams) (HostKeyRecordRow, error) {
 	row := q.db.QueryRow(ctx, hostKeyRecord, arg.MachineID, arg.HostKey, arg.Pinned)
 	var i HostKeyRecordRow

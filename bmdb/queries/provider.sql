@@ -137,21 +137,61 @@ FROM machine_provided
 WHERE provider = @provider;
 
 -- name: HostKeyGet :one
-SELECT host_key, pinned, recorded_at FROM machine_ssh_host_key WHERE machine_id = @machine_id;
+SELECT host_key, pinned, recorded_at, offered_host_key, offered_at
+FROM machine_ssh_host_key WHERE machine_id = @machine_id;
 
 -- name: HostKeyRecord :one
 -- HostKeyRecord records a machine's SSH host key unless one is recorded
 -- already (trust on first use: the first key wins), and returns the key in
--- force. A pinned key replaces a key recorded on first use.
+-- force. A pinned key replaces a key recorded on first use, and forgets a
+-- key offered instead of the old one.
 INSERT INTO machine_ssh_host_key AS k (machine_id, host_key, pinned)
 VALUES (@machine_id, @host_key, @pinned)
 ON CONFLICT (machine_id) DO UPDATE
-SET host_key = EXCLUDED.host_key, pinned = true, recorded_at = now()
+SET host_key = EXCLUDED.host_key, pinned = true, recorded_at = now(), offered_host_key = NULL, offered_at = NULL
 WHERE EXCLUDED.pinned AND (NOT k.pinned OR k.host_key <> EXCLUDED.host_key)
 RETURNING host_key, pinned;
 
--- name: HostKeyClear :exec
-DELETE FROM machine_ssh_host_key WHERE machine_id = @machine_id;
+-- name: HostKeyOffer :execrows
+-- HostKeyOffer keeps the key a machine presented instead of the one in
+-- force, for an operator to accept. No row: no key is in force, or the
+-- offered key is the one in force.
+UPDATE machine_ssh_host_key
+SET offered_host_key = @offered_host_key, offered_at = now()
+WHERE machine_id = @machine_id AND host_key <> @offered_host_key;
+
+-- name: HostKeyLock :one
+-- HostKeyLock reads a machine's host keys and locks them until the end of
+-- the transaction, for an operator's accept.
+SELECT host_key, pinned, offered_host_key, offered_at
+FROM machine_ssh_host_key WHERE machine_id = @machine_id
+FOR UPDATE;
+
+-- name: HostKeyAccept :exec
+-- HostKeyAccept makes the offered key the machine's recorded key.
+UPDATE machine_ssh_host_key
+SET host_key = offered_host_key, pinned = false, recorded_at = now(), offered_host_key = NULL, offered_at = NULL
+WHERE machine_id = @machine_id AND offered_host_key IS NOT NULL;
+
+-- name: HostKeyAcceptHistory :exec
+-- HostKeyAcceptHistory records an accepted host key in history: a Reset of
+-- @process (agent start) always, and of each of @processes whose backoff or
+-- quarantine it clears, so that they try the machine again at once. The
+-- cause says which key replaced which and who asked.
+WITH cleared AS (
+    DELETE FROM work_backoff
+    WHERE machine_id = @machine_id AND process = ANY(@processes::text[])
+    RETURNING process
+)
+INSERT INTO work_history (machine_id, process, event, cause)
+SELECT @machine_id, p.process, 'Reset', @cause
+FROM (SELECT @process::text AS process UNION SELECT process FROM cleared) AS p;
+
+-- name: HostKeyClear :execrows
+-- HostKeyClear forgets the host key a machine's first use recorded (and any
+-- key offered instead), for a reinstall: the reinstalled machine's first
+-- key is trusted again. A pinned key stays: it is the provider's to change.
+DELETE FROM machine_ssh_host_key WHERE machine_id = @machine_id AND NOT pinned;
 
 -- name: MachineByProviderID :one
 SELECT machine_id FROM machine_provided WHERE provider = @provider AND provider_id = @provider_id;

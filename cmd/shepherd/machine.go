@@ -135,12 +135,12 @@ func newMachineCommand() *cobra.Command {
 	c := &machineCLI{}
 	cmd := &cobra.Command{
 		Use:   "machine",
-		Short: "List, inspect, reset and decommission machines",
+		Short: "List, inspect, reset and decommission machines, and accept changed host keys",
 		Long: "Reads the machines of the BMDB with their derived states (SPEC §3.7), their tags and their\n" +
 			"history, resets backoffs and quarantines, and asks for machines to be decommissioned.",
 	}
 	c.db.bind(cmd)
-	cmd.AddCommand(c.listCommand(), c.showCommand(), c.historyCommand(), c.resetCommand(), c.decommissionCommand())
+	cmd.AddCommand(c.listCommand(), c.showCommand(), c.historyCommand(), c.resetCommand(), c.decommissionCommand(), c.hostKeyCommand())
 	return cmd
 }
 
@@ -339,6 +339,16 @@ type hostKeyJSON struct {
 	Fingerprint string     `json:"fingerprint"`
 	Pinned      bool       `json:"pinned"`
 	RecordedAt  *time.Time `json:"recorded_at"`
+	// Offered is the key the machine presented instead, to accept; null if none.
+	Offered *offeredHostKeyJSON `json:"offered"`
+}
+
+type offeredHostKeyJSON struct {
+	Key         string     `json:"key"`
+	Fingerprint string     `json:"fingerprint"`
+	OfferedAt   *time.Time `json:"offered_at"`
+	// Accept is the command that accepts the key.
+	Accept string `json:"accept"`
 }
 
 type decommissionReqJSON struct {
@@ -422,6 +432,11 @@ func detailJSON(d bmdb.MachineDetail) machineDetailJSON {
 	if len(d.HostKey) > 0 {
 		k, fp := hostKey(d.HostKey)
 		j.HostKey = &hostKeyJSON{Key: k, Fingerprint: fp, Pinned: d.HostKeyPinned, RecordedAt: d.HostKeyRecordedAt}
+		if len(d.OfferedHostKey) > 0 {
+			k, _ := hostKey(d.OfferedHostKey)
+			fp := bmdb.HostKeyFingerprint(d.OfferedHostKey)
+			j.HostKey.Offered = &offeredHostKeyJSON{Key: k, Fingerprint: fp, OfferedAt: d.OfferedHostKeyAt, Accept: bmdb.AcceptHostKeyCommand(d.MachineID, fp)}
+		}
 	}
 	if r := d.DecommissionRequested; r != nil {
 		dj := &decommissionReqJSON{RequestedBy: r.RequestedBy, Reason: r.Reason}
@@ -516,6 +531,12 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 		}
 		line("  SSH host key", "%s (%s, %s)", fp, pinned, timeText(d.HostKeyRecordedAt))
 		line("  Host key", "%s", k)
+		if len(d.OfferedHostKey) > 0 {
+			ok, _ := hostKey(d.OfferedHostKey)
+			ofp := bmdb.HostKeyFingerprint(d.OfferedHostKey)
+			line("  Presented instead", "%s at %s: %s", ofp, timeText(d.OfferedHostKeyAt), ok)
+			line("  Accept it with", "%s", bmdb.AcceptHostKeyCommand(d.MachineID, ofp))
+		}
 	} else {
 		line("  SSH host key", "-")
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"syscall"
@@ -16,13 +17,62 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ctx, stop := shutdownOnSignal(context.Background(), sigs, os.Stderr, os.Exit)
 	err := newRootCommand().ExecuteContext(ctx)
+	signal.Stop(sigs)
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "shepherd:", err)
 		os.Exit(1)
 	}
+}
+
+// shutdownOnSignal returns a context that the first signal on sigs
+// (SIGINT or SIGTERM) cancels: a clean shutdown, in which work in flight is
+// canceled and recorded and sessions are closed, bounded by each
+// component's own timeouts. A second signal exits at once through exit,
+// with status 128+signal and one line on stderr saying so: an operator who
+// presses Ctrl-C again, or a supervisor that signals twice, means "now".
+// stop ends the watch; call it once the command returned.
+func shutdownOnSignal(parent context.Context, sigs <-chan os.Signal, stderr io.Writer, exit func(int)) (ctx context.Context, stop func()) {
+	ctx, cancel := context.WithCancel(parent)
+	done := make(chan struct{})
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		first := true
+		for {
+			select {
+			case <-done:
+				return
+			case sig := <-sigs:
+				if first {
+					first = false
+					fmt.Fprintf(stderr, "shepherd: %v: shutting down cleanly (signal again to exit at once)\n", sig)
+					cancel()
+					continue
+				}
+				fmt.Fprintf(stderr, "shepherd: %v again: exiting at once, without a clean shutdown\n", sig)
+				exit(128 + signalNumber(sig))
+				return
+			}
+		}
+	}()
+	return ctx, func() {
+		close(done)
+		<-watched
+		cancel()
+	}
+}
+
+// signalNumber is sig's number, for the exit status; 0 if it has none.
+func signalNumber(sig os.Signal) int {
+	if s, ok := sig.(syscall.Signal); ok {
+		return int(s)
+	}
+	return 0
 }
 
 func newRootCommand() *cobra.Command {

@@ -5,8 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +18,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/provider"
 )
 
 // logFlags bind the logging flags.
@@ -115,9 +119,17 @@ func newRunCommand() *cobra.Command {
 		Use:   "run",
 		Short: "Run Shepherd's components against a BMDB until SIGINT or SIGTERM",
 		Long: "Runs the named components (" + strings.Join(allComponents, ", ") + ", or all) in one process.\n" +
-			"Any number of processes may run any components against the same BMDB.",
+			"Any number of processes may run any components against the same BMDB.\n" +
+			"SIGINT or SIGTERM shuts down cleanly; a second one exits at once. SIGHUP makes the provider\n" +
+			"re-read its files (a static inventory and the secret files it names).",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// Catch SIGHUP before anything else, so that it never kills
+			// the process (its default action); it reloads once the
+			// provider runs.
+			hup := make(chan os.Signal, 1)
+			signal.Notify(hup, syscall.SIGHUP)
+			defer signal.Stop(hup)
 			var err error
 			if cfg.Components, err = parseComponents(components); err != nil {
 				return err
@@ -148,7 +160,13 @@ func newRunCommand() *cobra.Command {
 			defer d.Close()
 			s := &stack{cfg: cfg, db: d, reg: reg, log: log}
 			log.InfoContext(cmd.Context(), "starting", "components", strings.Join(cfg.Components, ","), "schema_version", d.SchemaVersion())
-			err = s.run(cmd.Context(), nil)
+			var reloader sync.WaitGroup
+			defer reloader.Wait()
+			rctx, stopReloader := context.WithCancel(cmd.Context())
+			defer stopReloader() // before reloader.Wait: deferred calls run last first
+			err = s.run(cmd.Context(), func(s *stack) {
+				reloader.Go(func() { reloadOnHangup(rctx, hup, s.provider, log) })
+			})
 			log.Info("stopped")
 			return err
 		},
@@ -163,6 +181,31 @@ func newRunCommand() *cobra.Command {
 	fl.StringVar(&agentPath, "agent", "", "local agent binary to upload (default: shepherd-agent next to this binary)")
 	bindStackFlags(fl, &cfg)
 	return cmd
+}
+
+// reloadOnHangup makes p re-read its files on every signal from hup, until
+// ctx ends. A provider without files (p is not a provider.Reloader, or no
+// provider runs) has nothing to re-read, which is logged.
+func reloadOnHangup(ctx context.Context, hup <-chan os.Signal, p provider.Provider, log *slog.Logger) {
+	r, ok := p.(provider.Reloader)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+		}
+		if !ok {
+			log.WarnContext(ctx, "SIGHUP: the provider has no files to reload")
+			continue
+		}
+		// Reload logs what it loaded, or what is wrong (FILE:LINE) while
+		// the last good configuration stays in force.
+		if err := r.Reload(); err != nil {
+			log.ErrorContext(ctx, "SIGHUP: reload failed, keeping the configuration in force", "provider", p.Name())
+			continue
+		}
+		log.InfoContext(ctx, "SIGHUP: provider reloaded", "provider", p.Name())
+	}
 }
 
 // openObserved is open (with migrations) for the long-running commands:

@@ -82,7 +82,7 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 		}
 		g.logf, g.log = f, log.New(f, "", log.LstdFlags|log.Lmicroseconds)
 	}
-	signer, err := g.h.signer()
+	signers, err := g.h.signers()
 	if err != nil {
 		return nil, err
 	}
@@ -95,12 +95,15 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 		return nil, fmt.Errorf("listening on %s: %w", addr, err)
 	}
 	g.h.Addr = ln.Addr().(*net.TCPAddr).AddrPort()
-	g.log.Printf("listening on %s with host key %s", g.h.Addr, ssh.FingerprintSHA256(signer.PublicKey()))
+	hostSigners := make([]gssh.Signer, len(signers))
+	for i, s := range signers {
+		g.log.Printf("listening on %s with host key %s %s", g.h.Addr, s.PublicKey().Type(), ssh.FingerprintSHA256(s.PublicKey()))
+		hostSigners[i] = s
+	}
 
 	srv := &gssh.Server{
-		HostSigners:      []gssh.Signer{signer},
-		Handler:          g.handleExec,
-		PublicKeyHandler: g.authorize,
+		HostSigners: hostSigners,
+		Handler:     g.handleExec,
 		// No pty: the initializer runs commands, not terminals.
 		PtyCallback: func(gssh.Context, gssh.Pty) bool { return false },
 		// HandleConn (unlike Serve) does not fill in defaults.
@@ -110,6 +113,11 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 		ConnectionFailedCallback: func(conn net.Conn, err error) {
 			g.log.Printf("connection from %s failed: %v", conn.RemoteAddr(), err)
 		},
+	}
+	if g.h.password != "" {
+		srv.PasswordHandler = g.checkPassword
+	} else {
+		srv.PublicKeyHandler = g.authorize
 	}
 	done := make(chan struct{})
 	g.ln, g.acceptDone = ln, done
@@ -241,6 +249,19 @@ func (g *glServer) authorize(ctx gssh.Context, key gssh.PublicKey) bool {
 	}
 	g.log.Printf("refused key %s for %s from %s: not authorized", ssh.FingerprintSHA256(key), ctx.User(), ctx.RemoteAddr())
 	return false
+}
+
+// checkPassword accepts exactly the configured password for the user
+// running the test, and logs every attempt in sshd's words (see
+// Host.PasswordAttempts). It never logs the password.
+func (g *glServer) checkPassword(ctx gssh.Context, password string) bool {
+	ok := ctx.User() == g.h.User && password == g.h.password
+	verdict := "Failed"
+	if ok {
+		verdict = "Accepted"
+	}
+	g.log.Printf("%s password for %s from %s", verdict, ctx.User(), ctx.RemoteAddr())
+	return ok
 }
 
 // handleExec runs a session's command and exits with its status.

@@ -55,7 +55,7 @@ type sshdServer struct {
 	path    string // absolute path of sshd
 	opts    sshdOptions
 	cfgPath string
-	keyPath string
+	keyDir  string // host keys are ssh_host_<type>_key in it
 	pidPath string
 	akPath  string // authorized keys
 	logPath string
@@ -68,7 +68,7 @@ func newSSHDServer(h *Host, path string, opts sshdOptions) *sshdServer {
 		path:    path,
 		opts:    opts,
 		cfgPath: filepath.Join(h.Dir, "sshd_config"),
-		keyPath: filepath.Join(h.Dir, "ssh_host_ed25519_key"),
+		keyDir:  h.Dir,
 		pidPath: filepath.Join(h.Dir, "sshd.pid"),
 		akPath:  filepath.Join(h.Dir, "authorized_keys"),
 		logPath: filepath.Join(h.Dir, "sshd.log"),
@@ -88,13 +88,15 @@ func (s *sshdServer) start(ctx context.Context) error {
 	if s.proc != nil {
 		return errors.New("sshd is already running")
 	}
-	key, err := s.h.hostKeyPEM()
-	if err != nil {
-		return err
-	}
-	// sshd refuses host keys that others can read.
-	if err := writeFileAtomic(s.keyPath, key, 0o600); err != nil {
-		return err
+	for i := range s.h.HostKeys {
+		key, err := s.h.hostKeyPEM(i)
+		if err != nil {
+			return err
+		}
+		// sshd refuses host keys that others can read.
+		if err := writeFileAtomic(s.keyPath(i), key, 0o600); err != nil {
+			return err
+		}
 	}
 	var ak []byte
 	for _, k := range s.h.authorizedKeys {
@@ -177,6 +179,12 @@ func (s *sshdServer) startOnce(ctx context.Context) error {
 	return nil
 }
 
+// keyPath is the file of host key i, named as ssh-keygen -A names them.
+func (s *sshdServer) keyPath(i int) string {
+	kind := map[string]string{ssh.KeyAlgoED25519: "ed25519", ssh.KeyAlgoECDSA256: "ecdsa", ssh.KeyAlgoRSA: "rsa"}[s.h.HostKeys[i].Type()]
+	return filepath.Join(s.keyDir, "ssh_host_"+kind+"_key")
+}
+
 // logSince reports whether the log, from offset on, contains text.
 func (s *sshdServer) logSince(offset int64, text string) bool {
 	data, err := os.ReadFile(s.logPath)
@@ -188,9 +196,13 @@ func (s *sshdServer) logSince(offset int64, text string) bool {
 
 // writeConfig writes sshd_config for the Host's current address.
 func (s *sshdServer) writeConfig() error {
-	key, err := configArg(s.keyPath)
-	if err != nil {
-		return err
+	keys := make([]string, len(s.h.HostKeys))
+	for i := range keys {
+		k, err := configArg(s.keyPath(i))
+		if err != nil {
+			return err
+		}
+		keys[i] = k
 	}
 	pid, err := configArg(s.pidPath)
 	if err != nil {
@@ -205,13 +217,19 @@ func (s *sshdServer) writeConfig() error {
 	fmt.Fprintf(&b, "# Written by sshtest for one test host; sshd runs as: %s -D -e -f %s\n", s.path, s.cfgPath)
 	fmt.Fprintf(&b, "Port %d\n", s.h.Addr.Port())
 	fmt.Fprintf(&b, "ListenAddress %s\n", s.h.Addr)
-	fmt.Fprintf(&b, "HostKey %s\n", key)
+	for _, k := range keys {
+		fmt.Fprintf(&b, "HostKey %s\n", k)
+	}
 	fmt.Fprintf(&b, "PidFile %s\n", pid)
 	fmt.Fprintf(&b, "AuthorizedKeysFile %s\n", ak)
-	b.WriteString(`PermitRootLogin prohibit-password
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
+	if s.h.password != "" {
+		// Passwords only: sshd checks them against the system's user
+		// database and logs each attempt.
+		b.WriteString("PermitRootLogin yes\nPubkeyAuthentication no\nPasswordAuthentication yes\nPermitEmptyPasswords no\n")
+	} else {
+		b.WriteString("PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\n")
+	}
+	b.WriteString(`KbdInteractiveAuthentication no
 # Without PAM, sshd itself refuses accounts whose password field starts with
 # "!" (locked), even for key logins.
 UsePAM no

@@ -28,12 +28,25 @@
 //   - Gliderlabs accepts only the user running the test (Host.User); OpenSSH
 //     accepts any local user with a working shell, since every user's
 //     authorized keys come from the same file.
+//   - With Config.Password, Gliderlabs accepts exactly that password; OpenSSH
+//     checks passwords against the system's user database, which a test
+//     cannot set, so it refuses them all. Both log every password offered
+//     (Host.PasswordAttempts counts them), which is what tests of "was a
+//     secret sent to this server?" look at.
+//
+// Proxy puts a TCP forwarder in front of any server (an SSH Host, or
+// PostgreSQL) that a test can make go silent, as a machine does that resets
+// without closing its connections.
 package sshtest
 
 import (
 	"context"
+	"crypto"
+	"crypto/ecdsa"
 	"crypto/ed25519"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -95,6 +108,18 @@ type Config struct {
 	// on PATH) exists, else Gliderlabs; with SHEPHERD_REQUIRE_SSHD=1 a
 	// missing sshd fails the test instead.
 	Kind Kind
+	// AllHostKeyTypes gives each server an ed25519, an ECDSA (P-256) and an
+	// RSA host key, as a stock sshd has (ssh-keygen -A), instead of only an
+	// ed25519 one. Such a server presents whichever key the client prefers,
+	// so clients that do not restrict their host key algorithms to the key
+	// they expect see another one. Host.HostKey stays the ed25519 key;
+	// Host.HostKeys lists all three.
+	AllHostKeyTypes bool
+	// Password, if not empty, makes the servers accept password logins as
+	// Host.User and refuse keys (AuthorizedKeys must be empty). See the
+	// package doc: OpenSSH checks the system's password instead, so there
+	// every login fails, but Host.PasswordAttempts still counts them.
+	Password string
 }
 
 // Validate names the bad field and value. It changes nothing.
@@ -109,6 +134,9 @@ func (c Config) Validate() error {
 			return fmt.Errorf("sshtest: AuthorizedKeys[%d] is nil", i)
 		}
 	}
+	if c.Password != "" && len(c.AuthorizedKeys) > 0 {
+		return errors.New("sshtest: a server takes Password or AuthorizedKeys, not both")
+	}
 	return nil
 }
 
@@ -119,14 +147,34 @@ func (c Config) Validate() error {
 type Host struct {
 	Kind    Kind
 	Addr    netip.AddrPort // 127.0.0.1:port
-	HostKey ssh.PublicKey  // current host key
-	Dir     string         // scratch directory of this host (config, keys, logs); owned by the test
-	User    string         // user to log in as: the user running the test
+	HostKey ssh.PublicKey  // current ed25519 host key
+	// HostKeys are all current host keys: HostKey, then (with
+	// Config.AllHostKeyTypes) the ECDSA and the RSA key.
+	HostKeys []ssh.PublicKey
+	Dir      string // scratch directory of this host (config, keys, logs); owned by the test
+	User     string // user to log in as: the user running the test
 
-	hostKey        ed25519.PrivateKey
+	hostKeys       []crypto.Signer // private halves of HostKeys, in the same order
+	allKeyTypes    bool
 	authorizedKeys []ssh.PublicKey
+	password       string
 	sshd           *sshdServer // when Kind is OpenSSH
 	gl             *glServer   // when Kind is Gliderlabs
+}
+
+// NewKey returns a fresh ed25519 SSH key, for a test's client (put its
+// public half in Config.AuthorizedKeys) or wherever a test needs a key.
+func NewKey(t testing.TB) ssh.Signer {
+	t.Helper()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ssh.NewSignerFromKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
 
 // FindSSHD returns the absolute path of the OpenSSH server: /usr/sbin/sshd
@@ -232,7 +280,8 @@ func Start(t testing.TB, n int, cfg Config) []*Host {
 		if err != nil {
 			t.Fatalf("sshtest: making the host directory absolute: %v", err)
 		}
-		hosts[i] = &Host{Kind: kind, Dir: dir, User: u.Username, authorizedKeys: cfg.AuthorizedKeys}
+		hosts[i] = &Host{Kind: kind, Dir: dir, User: u.Username, authorizedKeys: cfg.AuthorizedKeys,
+			allKeyTypes: cfg.AllHostKeyTypes, password: cfg.Password}
 		if kind == OpenSSH {
 			hosts[i].sshd = newSSHDServer(hosts[i], sshdPath, opts)
 		} else {
@@ -278,8 +327,9 @@ func (h *Host) Restart(t testing.TB) {
 	}
 }
 
-// ChangeHostKey generates a new host key, restarts the server with it and
-// returns it (a reinstalled machine).
+// ChangeHostKey generates new host keys (of every type the Host has),
+// restarts the server with them and returns the new ed25519 key (a
+// reinstalled machine).
 func (h *Host) ChangeHostKey(t testing.TB) ssh.PublicKey {
 	t.Helper()
 	if err := h.newHostKey(); err != nil {
@@ -314,39 +364,73 @@ func (h *Host) LogPath() string {
 // String returns the kind and address, for messages.
 func (h *Host) String() string { return fmt.Sprintf("%s@%s", h.Kind, h.Addr) }
 
-// newHostKey generates an ed25519 host key and makes it the Host's key; the
-// server uses it from its next start.
+// rsaHostKeyBits is the size of RSA host keys: ssh-keygen's default is
+// 3072, but 2048 is as good for a test and generates much faster.
+const rsaHostKeyBits = 2048
+
+// newHostKey generates the Host's host keys (ed25519, and with
+// AllHostKeyTypes ECDSA P-256 and RSA); the server uses them from its next
+// start.
 func (h *Host) newHostKey() error {
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	_, ed, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
-		return fmt.Errorf("sshtest: generating host key: %w", err)
+		return fmt.Errorf("sshtest: generating ed25519 host key: %w", err)
 	}
-	signer, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		return fmt.Errorf("sshtest: making host key signer: %w", err)
+	keys := []crypto.Signer{ed}
+	if h.allKeyTypes {
+		ec, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			return fmt.Errorf("sshtest: generating ECDSA host key: %w", err)
+		}
+		rk, err := rsa.GenerateKey(rand.Reader, rsaHostKeyBits)
+		if err != nil {
+			return fmt.Errorf("sshtest: generating RSA host key: %w", err)
+		}
+		keys = append(keys, ec, rk)
 	}
-	h.hostKey = priv
-	h.HostKey = signer.PublicKey()
+	pubs := make([]ssh.PublicKey, len(keys))
+	for i, k := range keys {
+		if pubs[i], err = ssh.NewPublicKey(k.Public()); err != nil {
+			return fmt.Errorf("sshtest: host key %d: %w", i, err)
+		}
+	}
+	h.hostKeys, h.HostKeys, h.HostKey = keys, pubs, pubs[0]
 	return nil
 }
 
-// signer returns the signer of the current host key.
-func (h *Host) signer() (ssh.Signer, error) {
-	s, err := ssh.NewSignerFromKey(h.hostKey)
-	if err != nil {
-		return nil, fmt.Errorf("making host key signer: %w", err)
+// signers returns the signers of the current host keys.
+func (h *Host) signers() ([]ssh.Signer, error) {
+	out := make([]ssh.Signer, len(h.hostKeys))
+	for i, k := range h.hostKeys {
+		s, err := ssh.NewSignerFromKey(k)
+		if err != nil {
+			return nil, fmt.Errorf("making host key signer: %w", err)
+		}
+		out[i] = s
 	}
-	return s, nil
+	return out, nil
 }
 
-// hostKeyPEM returns the current host key in OpenSSH's private key format,
-// the one sshd reads.
-func (h *Host) hostKeyPEM() ([]byte, error) {
-	block, err := ssh.MarshalPrivateKey(h.hostKey, "sshtest host key")
+// hostKeyPEM returns host key i in OpenSSH's private key format, the one
+// sshd reads.
+func (h *Host) hostKeyPEM(i int) ([]byte, error) {
+	block, err := ssh.MarshalPrivateKey(h.hostKeys[i], "sshtest host key")
 	if err != nil {
 		return nil, fmt.Errorf("encoding host key: %w", err)
 	}
 	return pem.EncodeToMemory(block), nil
+}
+
+// PasswordAttempts counts the password logins the server has seen, good or
+// bad, from its log: a test asks it whether a client sent a password.
+func (h *Host) PasswordAttempts() int {
+	data, err := os.ReadFile(h.LogPath())
+	if err != nil {
+		return 0
+	}
+	// sshd logs "Failed password for USER from ..." and "Accepted password
+	// for ..."; glServer.password logs the same words.
+	return strings.Count(string(data), " password for ")
 }
 
 func (h *Host) start(ctx context.Context) error {
@@ -397,6 +481,9 @@ func probe(ctx context.Context, addr netip.AddrPort, hostKey ssh.PublicKey) erro
 	}
 	_, _, _, err = ssh.NewClientConn(conn, addr.String(), &ssh.ClientConfig{
 		User: "sshtest-probe",
+		// A server with several host keys presents the one the client
+		// prefers: ask for the kind expected.
+		HostKeyAlgorithms: []string{hostKey.Type()},
 		HostKeyCallback: func(_ string, _ net.Addr, key ssh.PublicKey) error {
 			if !keysEqual(key, hostKey) {
 				return fmt.Errorf("server presented host key %s, want %s", ssh.FingerprintSHA256(key), ssh.FingerprintSHA256(hostKey))

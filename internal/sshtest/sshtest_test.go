@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -42,20 +41,6 @@ func forEachKind(t *testing.T, f func(t *testing.T, kind Kind)) {
 	}
 }
 
-// newClientKey generates an ed25519 client key.
-func newClientKey(t *testing.T) ssh.Signer {
-	t.Helper()
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
 // errHostKeyMismatch is what the tests' host key callback returns for a key
 // other than the pinned one.
 var errHostKeyMismatch = errors.New("host key mismatch")
@@ -82,9 +67,10 @@ func dial(ctx context.Context, h *Host, user string, key ssh.Signer, hostKey ssh
 	deadline, _ := ctx.Deadline()
 	_ = conn.SetDeadline(deadline)
 	c, chans, reqs, err := ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
-		User:            user,
-		Auth:            []ssh.AuthMethod{ssh.PublicKeys(key)},
-		HostKeyCallback: pinnedHostKey(hostKey),
+		User:              user,
+		Auth:              []ssh.AuthMethod{ssh.PublicKeys(key)},
+		HostKeyCallback:   pinnedHostKey(hostKey),
+		HostKeyAlgorithms: algorithmsOf(hostKey),
 	})
 	if err != nil {
 		conn.Close()
@@ -92,6 +78,15 @@ func dial(ctx context.Context, h *Host, user string, key ssh.Signer, hostKey ssh
 	}
 	_ = conn.SetDeadline(time.Time{})
 	return ssh.NewClient(c, chans, reqs), nil
+}
+
+// algorithmsOf returns the host key algorithms that make a server present
+// key: for RSA the SHA-2 signatures OpenSSH accepts.
+func algorithmsOf(key ssh.PublicKey) []string {
+	if key.Type() == ssh.KeyAlgoRSA {
+		return []string{ssh.KeyAlgoRSASHA512, ssh.KeyAlgoRSASHA256}
+	}
+	return []string{key.Type()}
 }
 
 // mustDial logs in to h with key and its current host key, and closes the
@@ -180,7 +175,7 @@ func upload(t *testing.T, sc *sftp.Client, path string, data []byte, mode os.Fil
 
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
-	key := newClientKey(t).PublicKey()
+	key := NewKey(t).PublicKey()
 	tests := []struct {
 		name    string
 		cfg     Config
@@ -266,7 +261,7 @@ func TestFindSSHD(t *testing.T) {
 func TestCommandsAndSFTP(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		start := time.Now()
 		hosts := Start(t, 3, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
 		t.Logf("started 3 %s servers in %s", kind, time.Since(start))
@@ -337,7 +332,7 @@ func TestCommandsAndSFTP(t *testing.T) {
 func TestSFTPRenameOverExisting(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		sc := newSFTP(t, mustDial(t, h, key))
 		from, to := filepath.Join(h.Dir, "from"), filepath.Join(h.Dir, "to")
@@ -359,7 +354,7 @@ func TestSFTPRenameOverExisting(t *testing.T) {
 func TestUnauthorizedLoginRefused(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key, other := newClientKey(t), newClientKey(t)
+		key, other := NewKey(t), NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		if c, err := dial(t.Context(), h, h.User, other, h.HostKey); err == nil {
 			c.Close()
@@ -379,7 +374,7 @@ func TestUnauthorizedLoginRefused(t *testing.T) {
 func TestRestartAndChangeHostKey(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		addr, oldKey := h.Addr, h.HostKey
 		established := mustDial(t, h, key)
@@ -465,7 +460,7 @@ func processAlive(pid int, want string) bool {
 func TestDetachedProcessOutlivesSession(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		c, err := dial(t.Context(), h, h.User, key, h.HostKey)
 		if err != nil {
@@ -510,7 +505,7 @@ func TestDetachedProcessOutlivesSession(t *testing.T) {
 func TestStopWithSessionRunning(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		var c *ssh.Client
 		var pid int
 		t.Cleanup(func() {
@@ -564,7 +559,7 @@ func TestStopWithSessionRunning(t *testing.T) {
 func TestSIGHUPThroughSSH(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 		if kind != OpenSSH {
 			if h.PIDFile() != "" {
@@ -602,7 +597,7 @@ func TestSIGHUPThroughSSH(t *testing.T) {
 func TestCleanupStopsServer(t *testing.T) {
 	t.Parallel()
 	forEachKind(t, func(t *testing.T, kind Kind) {
-		key := newClientKey(t)
+		key := NewKey(t)
 		var h *Host
 		var pid int
 		t.Run("inner", func(t *testing.T) {
@@ -642,7 +637,7 @@ func TestOddDirectoryNames(t *testing.T) {
 	t.Setenv("TMPDIR", odd)
 	for _, kind := range Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
-			key := newClientKey(t)
+			key := NewKey(t)
 			h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
 			if !strings.HasPrefix(h.Dir, odd) {
 				t.Fatalf("Dir = %q, want it under %q", h.Dir, odd)
@@ -677,4 +672,183 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func(context
 		case <-tick.C:
 		}
 	}
+}
+
+// TestAllHostKeyTypes checks that a server with every host key type
+// presents each of them to a client that asks for its algorithm, and that
+// a client that does not ask gets a key other than HostKey: the trap the
+// option exists to set.
+func TestAllHostKeyTypes(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := NewKey(t)
+		h := Start(t, 1, Config{Kind: kind, AllHostKeyTypes: true, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		var types []string
+		for _, k := range h.HostKeys {
+			types = append(types, k.Type())
+		}
+		if want := []string{ssh.KeyAlgoED25519, ssh.KeyAlgoECDSA256, ssh.KeyAlgoRSA}; !slices.Equal(types, want) || !keysEqual(h.HostKey, h.HostKeys[0]) {
+			t.Fatalf("HostKeys are of types %v, want %v with HostKey first", types, want)
+		}
+		for _, k := range h.HostKeys {
+			c, err := dial(t.Context(), h, h.User, key, k)
+			if err != nil {
+				t.Errorf("logging in expecting the %s key: %v", k.Type(), err)
+				continue
+			}
+			c.Close()
+		}
+		// x/crypto's default preference puts ECDSA before ed25519.
+		var presented ssh.PublicKey
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", h.Addr.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		_, _, _, err = ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
+			User: h.User,
+			HostKeyCallback: func(_ string, _ net.Addr, k ssh.PublicKey) error {
+				presented = k
+				return errHostKeyMismatch
+			},
+		})
+		if !errors.Is(err, errHostKeyMismatch) || presented == nil || keysEqual(presented, h.HostKey) {
+			t.Errorf("a client with default algorithms was presented %v (err %v), want a key other than the ed25519 one", presented, err)
+		}
+
+		old := slices.Clone(h.HostKeys)
+		h.ChangeHostKey(t)
+		for i, k := range h.HostKeys {
+			if keysEqual(k, old[i]) {
+				t.Errorf("ChangeHostKey kept the %s key", k.Type())
+			}
+		}
+		mustRun(t, mustDial(t, h, key), "true")
+	})
+}
+
+// TestPasswordAttemptsCounted checks the password-only server: Gliderlabs
+// lets the right password in; both kinds count every password offered and
+// refuse keys.
+func TestPasswordAttemptsCounted(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := NewKey(t)
+		h := Start(t, 1, Config{Kind: kind, Password: "sshtest-pw"})[0]
+		if n := h.PasswordAttempts(); n != 0 {
+			t.Fatalf("PasswordAttempts before any login = %d", n)
+		}
+		if c, err := dial(t.Context(), h, h.User, key, h.HostKey); err == nil {
+			c.Close()
+			t.Error("a key logged in to a password-only server")
+		}
+		if n := h.PasswordAttempts(); n != 0 {
+			t.Errorf("PasswordAttempts after a key login = %d, want 0", n)
+		}
+		login := func(pw string) error {
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			var d net.Dialer
+			conn, err := d.DialContext(ctx, "tcp", h.Addr.String())
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			c, _, _, err := ssh.NewClientConn(conn, h.Addr.String(), &ssh.ClientConfig{
+				User: h.User, Auth: []ssh.AuthMethod{ssh.Password(pw)}, HostKeyCallback: pinnedHostKey(h.HostKey),
+				HostKeyAlgorithms: algorithmsOf(h.HostKey),
+			})
+			if err == nil {
+				c.Close()
+			}
+			return err
+		}
+		err := login("sshtest-pw")
+		if kind == Gliderlabs && err != nil {
+			t.Errorf("Gliderlabs refused the right password: %v", err)
+		}
+		if kind == OpenSSH && err == nil {
+			t.Error("OpenSSH accepted a password that is not the system's")
+		}
+		if err := login("wrong"); err == nil {
+			t.Error("a wrong password logged in")
+		}
+		waitFor(t, 10*time.Second, "two password attempts in the log", func(context.Context) (bool, error) {
+			return h.PasswordAttempts() == 2, nil
+		})
+		if log, _ := os.ReadFile(h.LogPath()); bytes.Contains(log, []byte("sshtest-pw")) {
+			t.Error("the server's log holds the password")
+		}
+	})
+}
+
+// TestProxySilence checks that a silenced proxy keeps connections open and
+// passes nothing: a command's output stops reaching the client.
+func TestProxySilence(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		key := NewKey(t)
+		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		p := StartProxy(t, h.Addr.String())
+		via := *h
+		via.Addr = p.Addr
+		c := mustDial(t, &via, key)
+		if got := mustRun(t, c, "echo through"); got != "through\n" {
+			t.Fatalf("through the proxy: %q", got)
+		}
+		sess, err := c.NewSession()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sess.Close()
+		stdout, err := sess.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		stdin, err := sess.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sess.Start("echo first; read x; echo second"); err != nil {
+			t.Fatal(err)
+		}
+		r := bufio.NewReader(stdout)
+		if line, err := r.ReadString('\n'); err != nil || line != "first\n" {
+			t.Fatalf("first line %q, %v", line, err)
+		}
+		p.Silence()
+		// The line would let the command print "second", if it got through.
+		if _, err := stdin.Write([]byte("go\n")); err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan string, 1)
+		go func() {
+			line, _ := r.ReadString('\n')
+			got <- line
+		}()
+		// Nothing may arrive within a deadline; closing the connection is
+		// the only way on.
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		select {
+		case line := <-got:
+			got <- line
+			t.Errorf("after Silence the client still read %q", line)
+		case <-ctx.Done():
+		}
+		c.Close()
+		if line := <-got; line != "" {
+			t.Errorf("after Silence the client read %q", line)
+		}
+		// New connections are swallowed: the handshake meets silence.
+		ctx, cancel = context.WithTimeout(t.Context(), 200*time.Millisecond)
+		defer cancel()
+		if c, err := dial(ctx, &via, h.User, key, h.HostKey); err == nil {
+			c.Close()
+			t.Error("a login through the silent proxy succeeded")
+		}
+	})
 }

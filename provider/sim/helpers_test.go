@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
-	"net"
 	"sync"
 	"testing"
 	"time"
@@ -117,8 +116,8 @@ func dial(t *testing.T, f *sim.Fleet, id string) (*ssh.Client, ssh.PublicKey, er
 		Addr: id + ":22",
 		Dial: access.Dial,
 		User: "root",
-		Auth: []ssh.AuthMethod{ssh.PublicKeys(clientKey())},
-		HostKey: func(_ string, _ net.Addr, key ssh.PublicKey) error {
+		Keys: []ssh.Signer{clientKey()},
+		FirstUse: func(key ssh.PublicKey) error {
 			seen = key // trust on first use
 			return nil
 		},

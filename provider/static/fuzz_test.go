@@ -44,8 +44,8 @@ machines:
 	f.Add([]byte("a: &a [*a]\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		env := func(string) (string, bool) { return fuzzSecret, true }
-		read := func(string) ([]byte, error) { return []byte(fuzzSecret + "\n"), nil }
-		inv, err := parseWith("F", data, env, read)
+		read := func(string) ([]byte, fileID, error) { return []byte(fuzzSecret + "\n"), fileID{}, nil }
+		inv, _, err := parseWith("F", data, env, read)
 		if (inv == nil) == (err == nil) {
 			t.Fatalf("parse returned %v and %v", inv, err)
 		}

@@ -16,6 +16,7 @@ import (
 	"go.yaml.in/yaml/v3"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -42,6 +43,9 @@ type entry struct {
 	signer        ssh.Signer // the machine's own key; nil if none
 	hostKey       ssh.PublicKey
 	rebootCommand string
+	// trustOnFirstUse lets password and signer go to a host whose key is
+	// neither pinned nor recorded yet.
+	trustOnFirstUse bool
 }
 
 // secret holds a password. Its String, GoString, Format and LogValue all
@@ -61,26 +65,30 @@ func (secret) MarshalText() ([]byte, error) { return []byte("REDACTED"), nil }
 type parser struct {
 	file      string // as given in Config.Inventory, for messages
 	lookupEnv func(string) (string, bool)
-	readFile  func(string) ([]byte, error) // reads a secret file
+	readFile  func(string) ([]byte, fileID, error) // reads a secret file
 	problems  []string
+	// secrets are the secret files the inventory names, as they were read.
+	secrets map[string]fileID
 }
 
 // parse parses and validates data, the contents of file, and reads the
-// secrets it names. The error lists the problems found, each as
-// "FILE:LINE: what", and never contains a secret.
-func parse(file string, data []byte, lookupEnv func(string) (string, bool)) (*inventory, error) {
+// secrets it names. It also returns the secret files it named, as they
+// were when read (also when it fails, so that fixing a secret file makes
+// the provider read the inventory again). The error lists the problems
+// found, each as "FILE:LINE: what", and never contains a secret.
+func parse(file string, data []byte, lookupEnv func(string) (string, bool)) (*inventory, map[string]fileID, error) {
 	return parseWith(file, data, lookupEnv, readSecretFile)
 }
 
 // parseWith is parse with secret files read by readFile, so that the fuzz
 // test need not open the paths it makes up.
-func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, error)) (*inventory, error) {
-	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile}
+func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, fileID, error)) (*inventory, map[string]fileID, error) {
+	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile, secrets: map[string]fileID{}}
 	inv := p.parse(data)
 	if len(p.problems) > 0 {
-		return nil, p.err()
+		return nil, p.secrets, p.err()
 	}
-	return inv, nil
+	return inv, p.secrets, nil
 }
 
 func (p *parser) errorf(line int, format string, args ...any) {
@@ -293,9 +301,10 @@ func (p *parser) nonEmpty(where, name string, s scalar) bool {
 
 // defaultsSection is the inventory's defaults, already validated.
 type defaultsSection struct {
-	port          uint16
-	user          string
-	rebootCommand string
+	port            uint16
+	user            string
+	rebootCommand   string
+	trustOnFirstUse bool
 }
 
 func (p *parser) defaults(n *yaml.Node) defaultsSection {
@@ -324,11 +333,27 @@ func (p *parser) defaults(n *yaml.Node) defaultsSection {
 			if s := p.scalar(where, f); s.set && p.nonEmpty(where, f.key, s) {
 				d.rebootCommand = s.v
 			}
+		case "trust_on_first_use":
+			if s := p.scalar(where, f); s.set {
+				d.trustOnFirstUse, _ = p.boolean(where, f.key, s)
+			}
 		default:
 			p.unknownField(where, f)
 		}
 	}
 	return d
+}
+
+// boolean parses a YAML boolean (true or false), reporting anything else.
+func (p *parser) boolean(where, name string, s scalar) (bool, bool) {
+	switch s.v {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	p.errorf(s.line, "%s%s must be true or false, got %q", where, name, s.v)
+	return false, false
 }
 
 // machine parses entry number num (from 1) of the machines list. It returns
@@ -359,7 +384,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	}
 	fs := p.fields(n, where)
 
-	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot scalar
+	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot, tofu scalar
 	e := &entry{m: &machine{id: id.v}}
 	for _, f := range fs {
 		switch f.key {
@@ -384,6 +409,8 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 			hostKey = p.scalar(where, f)
 		case "reboot_command":
 			reboot = p.scalar(where, f)
+		case "trust_on_first_use":
+			tofu = p.scalar(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -411,11 +438,18 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	if p.nonEmpty(where, "reboot_command", reboot) && reboot.set {
 		e.rebootCommand = reboot.v
 	}
+	e.trustOnFirstUse = d.trustOnFirstUse
+	if tofu.set {
+		e.trustOnFirstUse, _ = p.boolean(where, "trust_on_first_use", tofu)
+	}
 	if p.nonEmpty(where, "host_key", hostKey) && hostKey.set {
 		k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(hostKey.v))
-		if err != nil {
+		switch {
+		case err != nil:
 			p.errorf(hostKey.line, "%shost_key is not a public key in authorized_keys format: %v", where, err)
-		} else {
+		case sshx.SupportedHostKey(k) != nil:
+			p.errorf(hostKey.line, "%shost_key: %v", where, sshx.SupportedHostKey(k))
+		default:
 			e.hostKey = k
 		}
 	}
@@ -450,7 +484,8 @@ func (p *parser) secret(where, name string, file, env scalar) (string, bool) {
 		if !p.nonEmpty(where, name+"_file", file) {
 			return "", false
 		}
-		b, err := p.readFile(file.v)
+		b, id, err := p.readFile(file.v)
+		p.secrets[file.v] = id
 		if err != nil {
 			p.errorf(file.line, "%s%s_file: %v", where, name, err)
 			return "", false
@@ -478,20 +513,28 @@ func secretSource(name string, file, env scalar) string {
 	return fmt.Sprintf("%s_env %s", name, env.v)
 }
 
-func readSecretFile(path string) ([]byte, error) {
+// readSecretFile reads a secret file and says which file it read: the
+// identity of the open file, so that a file replaced or changed after it
+// was read is noticed (see fileID).
+func readSecretFile(path string) ([]byte, fileID, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, fileID{err: err.Error()}, err
 	}
 	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fileID{err: err.Error()}, fmt.Errorf("reading %s: %w", path, err)
+	}
+	id := idOf(fi)
 	b, err := io.ReadAll(io.LimitReader(f, maxSecretSize+1))
 	if err != nil {
-		return nil, fmt.Errorf("reading %s: %w", path, err)
+		return nil, id, fmt.Errorf("reading %s: %w", path, err)
 	}
 	if len(b) > maxSecretSize {
-		return nil, fmt.Errorf("%s is larger than %d bytes", path, maxSecretSize)
+		return nil, id, fmt.Errorf("%s is larger than %d bytes", path, maxSecretSize)
 	}
-	return b, nil
+	return b, id, nil
 }
 
 // privateKey parses a private key without a passphrase. The messages of

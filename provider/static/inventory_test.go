@@ -195,6 +195,17 @@ FILE:5: machine "a": field "key" is not allowed: secrets must come from a file (
     address: 10.0.0.1
     host_key: "ssh-ed25519 AAAAnotakey"
 `, `FILE:4: machine "a": host_key is not a public key in authorized_keys format: ssh: no key found; last parsing error for ignored line: illegal base64 data at input byte 8`},
+		{"trust_on_first_use not a boolean", `defaults:
+  trust_on_first_use: yes please
+machines:
+  - {id: a, address: 10.0.0.1, trust_on_first_use: 1}
+`, `FILE:2: defaults: trust_on_first_use must be true or false, got "yes please"
+FILE:4: machine "a": trust_on_first_use must be true or false, got "1"`},
+		{"DSA host_key", `machines:
+  - id: a
+    address: 10.0.0.1
+    host_key: "ssh-dss AAAAB3NzaC1kc3MAAACBAPLUSoXwQ2x8VSNNRzvQdrBmXMlYs1/6sVHyqjmmCHAm4FmQi1sS5w3hCEIrG9JOnXDoR9nZeeuBIC+6N0h6vV34b+cdrjSHpLDkDsNI2x4gOQ0D0YgDTe5r3QWEYVSZ+r7Xx9/rhtCPlcQO8xSG/SCJzzmHoXUyk2ZHQzKoq9PHAAAAFQCY8B9Lf8DnMCoChwgxQmgq+/B3/QAAAIAr/I9VyYQ5mCrtl3DZ6yNN9b8T0c2L3JZxnSPWjyD0BxdgrYxF0ZpZG0TrDXYgeVHfu9h0BgrkqE+gcvMnt3z4b3XlvUJKhR/aRmRdtVvaRcslYUTxpZkZ1N0GmeZdn7JCpOTLUp6HJgdS+4NHxvgbLEmjyeoQxy+b0HVRfKY0ZwAAAIEAwGsxbF4SHyjqgHIL64QWZPDozwq6W6g/ShDNPPVyjYNkCm3bwTEBvYuhu41FP2IfmXDHi3lvV6blRpxP3Dkw3e8wr7oGSzs8zmbDYW8fWvLqsrY6AyemVAv/QwoT3Ulb5uaKE0+jaxbDbPWd4ZIxvzMyaHtT3GcGp7eP1Wlpc1Q="
+`, `FILE:4: machine "a": host_key: SSH host keys of type ssh-dss cannot be verified (use an ed25519, ECDSA or RSA key)`},
 		{"empty reboot_command", `machines:
   - id: a
     address: 10.0.0.1
@@ -240,7 +251,7 @@ func TestManyProblems(t *testing.T) {
 	for i := range 30 {
 		fmt.Fprintf(&inv, "  - id: m%d\n", i)
 	}
-	_, err := parse("inv.yaml", []byte(inv.String()), noEnv)
+	_, _, err := parse("inv.yaml", []byte(inv.String()), noEnv)
 	if err == nil {
 		t.Fatal("no error")
 	}
@@ -265,7 +276,7 @@ func TestInventoryDetails(t *testing.T) {
 	_, keyPEM := newKey(t)
 	writeFile(t, filepath.Join(dir, "pw"), "s3cret\r\n")
 	writeFile(t, filepath.Join(dir, "key"), string(keyPEM))
-	inv, err := parse("inv.yaml", []byte(fmt.Sprintf(`
+	inv, _, err := parse("inv.yaml", []byte(fmt.Sprintf(`
 defaults:
   port: 2222
   ssh_user: ops
@@ -281,6 +292,7 @@ machines:
     ssh_key_file: %s
     reboot_command: ipmitool power cycle
     location:            # null: no location
+    trust_on_first_use: true
   - id: c
     address: 10.0.0.3
     ssh_password_env: PW
@@ -297,6 +309,9 @@ machines:
 	}
 	if b.m.addr.String() != "10.0.0.2:22" || b.user != "admin" || b.rebootCommand != "ipmitool power cycle" || b.password.reveal() != "s3cret" || b.signer == nil {
 		t.Errorf("machine b = addr %s, user %q, reboot %q, key %v", b.m.addr, b.user, b.rebootCommand, b.signer != nil)
+	}
+	if a.trustOnFirstUse || !b.trustOnFirstUse || c.trustOnFirstUse {
+		t.Errorf("trust_on_first_use: 007 %v, b %v, c %v; want only b", a.trustOnFirstUse, b.trustOnFirstUse, c.trustOnFirstUse)
 	}
 	// A variable's value is taken as it is; only a file's line end is cut.
 	if c.password.reveal() != "env pw\n" {

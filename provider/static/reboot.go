@@ -5,10 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"net"
-	"syscall"
 
 	"golang.org/x/crypto/ssh"
 
@@ -22,32 +19,48 @@ const maxRebootOutput = 64 << 10
 
 // SSHAccess says how the initializer reaches machine id: the inventory's
 // SSH user (machine's, else the defaults'; empty means the initializer's
-// own), the machine's key and password as extra authentication, and its
-// pinned host key (nil: trust on first use).
+// own), the machine's key and password as extra authentication (sent only
+// to a verified host unless trust_on_first_use), and its pinned host key
+// (nil: trust on first use).
 func (p *Provider) SSHAccess(_ context.Context, id string) (provider.SSHAccess, error) {
 	e, err := p.entry(id)
 	if err != nil {
 		return provider.SSHAccess{}, err
 	}
-	var access provider.SSHAccess
-	access.User, access.HostKey = e.user, e.hostKey
+	access := provider.SSHAccess{User: e.user, HostKey: e.hostKey, SecretsOnFirstUse: e.trustOnFirstUse, Auth: e.passwordAuth()}
 	if e.signer != nil {
 		access.Signers = []ssh.Signer{e.signer}
-	}
-	if !e.password.empty() {
-		access.Auth = []ssh.AuthMethod{ssh.Password(e.password.reveal())}
 	}
 	return access, nil
 }
 
+// passwordAuth returns the machine's password as an SSH method, or nil.
+func (e *entry) passwordAuth() []ssh.AuthMethod {
+	if e.password.empty() {
+		return nil
+	}
+	return []ssh.AuthMethod{ssh.Password(e.password.reveal())}
+}
+
 // RebootMachine runs the machine's reboot command over SSH, bounded by
-// SSHTimeout. A reboot usually cuts the connection before the command
-// reports an exit status; that counts as success. A non-zero exit status is
-// an error that ends with the command's stderr.
+// SSHTimeout: it returns by then whatever the machine does.
 //
-// The host key must be verifiable: the key pinned in the inventory, or else
-// the one Env.HostKeys knows for the machine. Without either the reboot is
-// refused rather than sending credentials to whoever answers.
+// The host key must be verifiable: the key pinned in the inventory, else
+// the one Env.HostKeys has recorded for the machine. On first use (neither)
+// only Shepherd's key is offered, and the machine's own password and key
+// only with trust_on_first_use; nothing is recorded (the initializer
+// records keys, with a takeover that succeeded).
+//
+// How a reboot is judged: until the machine confirms it started the
+// command, any failure is a failed reboot, which the recoverer repeats
+// after its backoff. Once it confirmed, only the command's own exit status
+// can say the reboot failed (a non-zero status: the error ends with its
+// stderr). A zero status, a connection cut, or a machine that stops
+// answering until SSHTimeout (one that reset at once, without closing the
+// connection) all count as a reboot issued: that is what a reboot looks
+// like from outside, and whether the machine came back is the heartbeat's
+// business. Counting them as failures would reboot a machine again that is
+// booting already.
 func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	e, err := p.entry(id)
 	if err != nil {
@@ -60,76 +73,58 @@ func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	if user == "" {
 		return fail(errors.New("no SSH user: set ssh_user in the inventory or Shepherd's default SSH user"))
 	}
-	hostKey, err := p.hostKeyCallback(ctx, id, e)
-	if err != nil {
-		return fail(err)
-	}
-	// One publickey method with every key: an SSH client does not try a
-	// method a second time once the server has rejected it.
-	var signers []ssh.Signer
-	if p.cfg.Env.SSHSigner != nil {
-		signers = append(signers, p.cfg.Env.SSHSigner)
-	}
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.SSHTimeout)
+	defer cancel()
+	target := sshx.Target{Addr: e.m.addr.String(), User: user, HostKey: e.hostKey, SecretAuth: e.passwordAuth(), SecretsOnFirstUse: e.trustOnFirstUse}
 	if e.signer != nil {
-		signers = append(signers, e.signer)
+		target.SecretKeys = []ssh.Signer{e.signer}
 	}
-	var auth []ssh.AuthMethod
-	if len(signers) > 0 {
-		auth = append(auth, ssh.PublicKeys(signers...))
+	if p.cfg.Env.SSHSigner != nil {
+		target.Keys = []ssh.Signer{p.cfg.Env.SSHSigner}
 	}
-	if !e.password.empty() {
-		auth = append(auth, ssh.Password(e.password.reveal()))
+	hk := p.cfg.Env.HostKeys
+	switch {
+	case target.HostKey != nil:
+	case hk == nil:
+		return fail(errors.New("the host key cannot be verified: the inventory pins none (host_key) and no host key checker is configured"))
+	default:
+		if target.HostKey, err = hk.KnownHostKey(ctx, id); err != nil {
+			return fail(err)
+		}
+		target.FirstUse = func(ssh.PublicKey) error { return nil }
 	}
-	if len(auth) == 0 {
+	if len(target.Keys) == 0 && len(target.SecretKeys) == 0 && len(target.SecretAuth) == 0 {
 		return fail(errors.New("no SSH credentials: Shepherd has no SSH key and the inventory gives the machine no password or key"))
 	}
 
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.SSHTimeout)
-	defer cancel()
 	log := p.log.With(slog.String("machine_id", id))
 	log.InfoContext(ctx, "rebooting machine", slog.String("addr", e.m.addr.String()), slog.String("ssh_user", user))
-	client, err := sshx.Dial(ctx, sshx.Target{Addr: e.m.addr.String(), User: user, Auth: auth, HostKey: hostKey})
-	if err != nil {
+	client, err := sshx.Dial(ctx, target)
+	switch {
+	case errors.Is(err, sshx.ErrSecretsWithheld):
+		return fail(fmt.Errorf("%w; to send them, pin host_key in the inventory or set trust_on_first_use: true for the machine", err))
+	case errors.Is(err, sshx.ErrHostKeyMismatch) && e.hostKey != nil:
+		return fail(fmt.Errorf("%w; the key is pinned by the inventory (host_key): if the machine was reinstalled, update it there", err))
+	case errors.Is(err, sshx.ErrHostKeyMismatch):
+		return fail(hk.HostKeyMismatch(ctx, id, err))
+	case err != nil:
 		return fail(err)
 	}
 	defer client.Close()
 	_, err = sshx.Run(ctx, client, e.rebootCommand, nil, maxRebootOutput)
-	if err != nil && (errors.Is(err, sshx.ErrNotStarted) || !connectionCut(err)) {
+	var exit *sshx.ExitError
+	switch {
+	case err == nil:
+		log.InfoContext(ctx, "reboot command done")
+	case errors.As(err, &exit), errors.Is(err, sshx.ErrNotStarted):
 		return fail(err)
+	case ctx.Err() != nil:
+		log.WarnContext(ctx, "reboot command issued; the machine did not answer again before the SSH timeout, as one that reset at once does",
+			slog.Duration("ssh_timeout", p.cfg.SSHTimeout))
+	default:
+		log.InfoContext(ctx, "reboot command issued; the connection was cut", slog.Any("err", err))
 	}
-	log.InfoContext(ctx, "reboot command sent", slog.Bool("connection_cut", err != nil))
 	return nil
-}
-
-// hostKeyCallback verifies the machine's host key against the inventory's
-// pin, or else asks Env.HostKeys.
-func (p *Provider) hostKeyCallback(ctx context.Context, id string, e *entry) (ssh.HostKeyCallback, error) {
-	if e.hostKey != nil {
-		return sshx.CheckKey(e.hostKey), nil
-	}
-	hk := p.cfg.Env.HostKeys
-	if hk == nil {
-		return nil, errors.New("the host key cannot be verified: the inventory pins none (host_key) and no host key checker is configured")
-	}
-	return func(_ string, _ net.Addr, key ssh.PublicKey) error {
-		return hk.CheckHostKey(ctx, id, key)
-	}, nil
-}
-
-// connectionCut reports whether err means the connection ended while the
-// reboot command ran, which is what a reboot does: the session closed
-// without an exit status, or the connection hit EOF or was reset.
-//
-// It cannot tell a connection that broke before the command reached the
-// machine from one the reboot broke; sshx.Run reports both alike. The
-// recoverer finds out from the heartbeat either way.
-func connectionCut(err error) bool {
-	var missing *ssh.ExitMissingError
-	return errors.As(err, &missing) ||
-		errors.Is(err, io.EOF) ||
-		errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, net.ErrClosed) ||
-		errors.Is(err, syscall.ECONNRESET)
 }
 
 // ReinstallMachine is not supported: a static inventory has no way to

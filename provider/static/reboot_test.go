@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -19,20 +17,30 @@ import (
 	"github.com/shepherd/shepherd/provider"
 )
 
-// fakeHostKeys is a provider.HostKeyChecker that records what it is asked
-// and answers err.
+// fakeHostKeys is a provider.HostKeyChecker that knows key for every
+// machine and records what it is asked.
 type fakeHostKeys struct {
-	err error
+	key ssh.PublicKey // nil: none recorded
 
 	mu    sync.Mutex
-	asked []string // provider id and key fingerprint
+	asked []string // "known ID" and "mismatch ID"
 }
 
-func (f *fakeHostKeys) CheckHostKey(_ context.Context, providerID string, key ssh.PublicKey) error {
+// errExplained marks the errors fakeHostKeys explained.
+var errExplained = errors.New("explained by the host key checker")
+
+func (f *fakeHostKeys) KnownHostKey(_ context.Context, providerID string) (ssh.PublicKey, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.asked = append(f.asked, providerID+" "+ssh.FingerprintSHA256(key))
-	return f.err
+	f.asked = append(f.asked, "known "+providerID)
+	return f.key, nil
+}
+
+func (f *fakeHostKeys) HostKeyMismatch(_ context.Context, providerID string, err error) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.asked = append(f.asked, "mismatch "+providerID)
+	return fmt.Errorf("%w: %w", errExplained, err)
 }
 
 func (f *fakeHostKeys) questions() []string {
@@ -127,25 +135,31 @@ func TestReboot(t *testing.T) {
 
 func TestRebootAsksHostKeyChecker(t *testing.T) {
 	t.Parallel()
-	errUnknown := errors.New("host key differs from the one recorded")
+	other, _ := newKey(t)
 	for _, tt := range []struct {
 		name    string
-		answer  error
+		known   func(f rebootFixture) ssh.PublicKey
 		wantErr error
+		asked   []string
 	}{
-		{"known key", nil, nil},
-		{"rejected key", errUnknown, errUnknown},
+		{"recorded key", func(f rebootFixture) ssh.PublicKey { return f.srv.hostKey }, nil, []string{"known rack1/node 7"}},
+		{"nothing recorded: first use", func(rebootFixture) ssh.PublicKey { return nil }, nil, []string{"known rack1/node 7"}},
+		{"another key recorded", func(rebootFixture) ssh.PublicKey { return other.PublicKey() }, errExplained, []string{"known rack1/node 7", "mismatch rack1/node 7"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			hk := &fakeHostKeys{err: tt.answer}
+			hk := &fakeHostKeys{}
 			f := newRebootFixture(t, "  - {id: rack1/node 7, address: ADDR, port: PORT}\n", provider.Env{HostKeys: hk})
+			hk.key = tt.known(f)
 			err := f.p.RebootMachine(t.Context(), "rack1/node 7")
 			if !errors.Is(err, tt.wantErr) || (err == nil) != (tt.wantErr == nil) {
 				t.Errorf("RebootMachine: %v, want %v", err, tt.wantErr)
 			}
-			if got, want := hk.questions(), []string{"rack1/node 7 " + ssh.FingerprintSHA256(f.srv.hostKey)}; !slices.Equal(got, want) {
-				t.Errorf("the host key checker was asked %v, want %v", got, want)
+			if tt.wantErr != nil && !errors.Is(err, sshx.ErrHostKeyMismatch) {
+				t.Errorf("RebootMachine: %v, want it to wrap ErrHostKeyMismatch", err)
+			}
+			if got := hk.questions(); !slices.Equal(got, tt.asked) {
+				t.Errorf("the host key checker was asked %v, want %v", got, tt.asked)
 			}
 			if ran := len(f.srv.received()) > 0; ran != (tt.wantErr == nil) {
 				t.Errorf("the server ran %v", f.srv.received())
@@ -166,13 +180,33 @@ func TestRebootRefusesUnverifiableHostKey(t *testing.T) {
 	}
 }
 
+// A command the machine started but that runs past SSHTimeout is a reboot
+// issued (systemctl reboot can block while the machine shuts down), and
+// RebootMachine returns at SSHTimeout.
 func TestRebootTimeout(t *testing.T) {
 	t.Parallel()
 	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT, host_key: HOSTKEY, reboot_command: "+cmdHang+"}\n", provider.Env{})
-	f.p.cfg.SSHTimeout = 500 * time.Millisecond
-	err := f.p.RebootMachine(t.Context(), "a")
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Errorf("RebootMachine with a command that hangs: %v, want DeadlineExceeded", err)
+	f.p.cfg.SSHTimeout = 2 * time.Second
+	if err := f.p.RebootMachine(t.Context(), "a"); err != nil {
+		t.Errorf("RebootMachine with a command that runs past SSHTimeout: %v, want the reboot counted as issued", err)
+	}
+	if got := f.srv.received(); len(got) != 1 || got[0].cmd != cmdHang {
+		t.Errorf("the server ran %v, want the hanging command", got)
+	}
+}
+
+// A machine that does not confirm the command within SSHTimeout did not
+// reboot for sure: that is a failure.
+func TestRebootNotStartedFails(t *testing.T) {
+	t.Parallel()
+	f := newRebootFixture(t, "  - {id: a, address: ADDR, port: PORT, host_key: HOSTKEY}\n", provider.Env{})
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := f.p.RebootMachine(ctx, "a"); err == nil {
+		t.Error("RebootMachine with its context done succeeded")
+	}
+	if got := f.srv.received(); len(got) != 0 {
+		t.Errorf("the server ran %v", got)
 	}
 }
 
@@ -234,7 +268,7 @@ func TestRebootWithMachineCredentials(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := sshx.Dial(t.Context(), sshx.Target{Addr: pwSrv.addr.String(), User: acc.User, Auth: acc.Auth, HostKey: sshx.CheckKey(acc.HostKey)})
+	c, err := sshx.Dial(t.Context(), sshx.Target{Addr: pwSrv.addr.String(), User: acc.User, SecretAuth: acc.Auth, HostKey: acc.HostKey})
 	if err != nil {
 		t.Fatalf("dialing with SSHAccess(pw): %v", err)
 	}
@@ -242,23 +276,4 @@ func TestRebootWithMachineCredentials(t *testing.T) {
 		t.Errorf("running a command with SSHAccess(pw): %v", err)
 	}
 	c.Close()
-}
-
-func TestConnectionCut(t *testing.T) {
-	t.Parallel()
-	for _, tt := range []struct {
-		err  error
-		want bool
-	}{
-		{fmt.Errorf("running: %w", &ssh.ExitMissingError{}), true},
-		{fmt.Errorf("running: %w", errors.New("wait: remote command exited without exit status or exit signal")), false},
-		{fmt.Errorf("running: %w", net.ErrClosed), true},
-		{fmt.Errorf("x: %w", errors.Join(errors.New("y"), io.EOF)), true},
-		{errors.New(`running "x": exit status 1: nope`), false},
-		{context.DeadlineExceeded, false},
-	} {
-		if got := connectionCut(tt.err); got != tt.want {
-			t.Errorf("connectionCut(%v) = %v, want %v", tt.err, got, tt.want)
-		}
-	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -57,18 +58,65 @@ func newMetrics(reg prometheus.Registerer, name string) (*metrics, error) {
 	return m, nil
 }
 
-// fileState is what the provider last saw of the inventory file, so that a
-// poll can tell whether there is anything new to parse.
+// fileState is what the provider last saw of the inventory file and the
+// secret files it names, so that a poll can tell whether there is anything
+// new to parse.
 type fileState struct {
 	readErr string // the error reading it, if it could not be read
 	modTime time.Time
 	size    int64
 	sum     [sha256.Size]byte
+	// secrets are the secret files the inventory named when it was last
+	// parsed, as they were read then.
+	secrets map[string]fileID
 }
 
-// Run polls the file every ReloadInterval until ctx ends, and then returns
-// nil. A changed file replaces the inventory in force if it is good; a
-// broken one is logged and counted once, and the last good inventory stays.
+// fileID is which version of a file was read: a rotated secret is usually
+// written to a new file and renamed over the old one (a new inode, perhaps
+// with the old size and even the old modification time), or rewritten in
+// place (a new modification time or size). err is set for a file that
+// could not be opened, so that its appearing counts as a change.
+type fileID struct {
+	err      string
+	modTime  time.Time
+	size     int64
+	dev, ino uint64
+}
+
+// idOf returns the identity of the file fi describes.
+func idOf(fi os.FileInfo) fileID {
+	id := fileID{modTime: fi.ModTime(), size: fi.Size()}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		id.dev, id.ino = uint64(st.Dev), uint64(st.Ino)
+	}
+	return id
+}
+
+// same reports whether id and o are the same version of a file.
+func (id fileID) same(o fileID) bool {
+	return id.err == o.err && id.modTime.Equal(o.modTime) && id.size == o.size && id.dev == o.dev && id.ino == o.ino
+}
+
+// changedSecret returns the first secret file of s that is not the version
+// read any more, or "".
+func (s fileState) changedSecret() string {
+	for path, was := range s.secrets {
+		fi, err := os.Stat(path)
+		switch {
+		case err != nil && was.err == "", err == nil && was.err != "":
+			return path
+		case err == nil && !idOf(fi).same(was):
+			return path
+		}
+	}
+	return ""
+}
+
+// Run polls the files every ReloadInterval until ctx ends, and then
+// returns nil. A changed inventory, or a changed secret file it names,
+// makes it read the inventory again, which replaces the inventory in force
+// if it is good; a broken one is logged and counted once, and the last good
+// inventory stays.
 func (p *Provider) Run(ctx context.Context) error {
 	t := time.NewTicker(p.cfg.ReloadInterval)
 	defer t.Stop()
@@ -82,9 +130,10 @@ func (p *Provider) Run(ctx context.Context) error {
 	}
 }
 
-// Reload re-reads the file now, changed or not; on error it keeps the last
-// good inventory and returns the error (which it has also logged and
-// counted). Use it after rotating a secret the inventory names.
+// Reload re-reads the inventory and its secrets now, changed or not; on
+// error it keeps the last good inventory and returns the error (which it
+// has also logged and counted). The process calls it on SIGHUP
+// (provider.Reloader).
 func (p *Provider) Reload() error {
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
@@ -97,15 +146,18 @@ func (p *Provider) Reload() error {
 	return nil
 }
 
-// poll reloads the file if it changed since it was last read. The size and
-// modification time tell cheaply; the content hash catches a rewrite with
-// the same contents (an editor's save, a config management run) so that it
-// is not logged again, and a broken file is reported only once.
+// poll reloads the inventory if it or a secret file it names changed since
+// it was last read. The inventory's size and modification time, and each
+// secret file's identity, tell cheaply; the inventory's content hash
+// catches a rewrite with the same contents (an editor's save, a config
+// management run) so that it is not logged again, and a broken file is
+// reported only once.
 func (p *Provider) poll() {
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
 	fi, err := os.Stat(p.cfg.Inventory)
-	if err == nil && p.seen.readErr == "" && fi.ModTime().Equal(p.seen.modTime) && fi.Size() == p.seen.size {
+	changed := p.seen.changedSecret()
+	if err == nil && p.seen.readErr == "" && fi.ModTime().Equal(p.seen.modTime) && fi.Size() == p.seen.size && changed == "" {
 		return
 	}
 	if err != nil {
@@ -119,13 +171,18 @@ func (p *Provider) poll() {
 	}
 	// Stat before reading: if the file changes in between, the next poll
 	// sees a new time or size and reads it again.
-	st := fileState{modTime: fi.ModTime(), size: fi.Size(), sum: sha256.Sum256(data)}
-	same := p.seen.readErr == "" && st.sum == p.seen.sum
+	st := fileState{modTime: fi.ModTime(), size: fi.Size(), sum: sha256.Sum256(data), secrets: p.seen.secrets}
+	same := p.seen.readErr == "" && st.sum == p.seen.sum && changed == ""
 	p.seen = st
 	if same {
 		return
 	}
-	inv, err := parse(p.cfg.Inventory, data, p.lookupEnv)
+	if changed != "" {
+		p.log.Info("a secret file the inventory names changed, reading the inventory again",
+			slog.String("file", p.cfg.Inventory), slog.String("secret_file", changed))
+	}
+	inv, secrets, err := parse(p.cfg.Inventory, data, p.lookupEnv)
+	p.seen.secrets = secrets
 	if err != nil {
 		p.failed(err)
 		return
@@ -156,8 +213,9 @@ func (p *Provider) load() (*inventory, error) {
 		p.seen = fileState{readErr: err.Error()}
 		return nil, fmt.Errorf("reading inventory: %w", err)
 	}
-	p.seen = fileState{modTime: fi.ModTime(), size: fi.Size(), sum: sha256.Sum256(data)}
-	return parse(p.cfg.Inventory, data, p.lookupEnv)
+	inv, secrets, err := parse(p.cfg.Inventory, data, p.lookupEnv)
+	p.seen = fileState{modTime: fi.ModTime(), size: fi.Size(), sum: sha256.Sum256(data), secrets: secrets}
+	return inv, err
 }
 
 // use puts inv in force.

@@ -170,3 +170,70 @@ func TestPollSkipsUnchanged(t *testing.T) {
 		t.Errorf("after a good file: valid %v, reload errors %v; want 1, 1", v, e)
 	}
 }
+
+// TestPollPicksUpRotatedSecrets rotates the secret files an unchanged
+// inventory names, the ways operators and tools do it: renamed over the old
+// file, rewritten in place with the same size, removed and put back. Each
+// time Run reads the inventory and its secrets again by itself.
+func TestPollPicksUpRotatedSecrets(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "inventory.yaml")
+	pwFile, keyFile := filepath.Join(dir, "pw"), filepath.Join(dir, "key")
+	_, key1 := newKey(t)
+	signer2, key2 := newKey(t)
+	writeFile(t, pwFile, "pw-1-S3CR3T\n")
+	writeFile(t, keyFile, string(key1))
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1, ssh_password_file: "+pwFile+"}\n  - {id: b, address: 10.0.0.2, ssh_key_file: "+keyFile+"}\n")
+	reg := prometheus.NewRegistry()
+	var logs syncBuffer
+	p, err := New(Config{Inventory: path, ReloadInterval: 10 * time.Millisecond, Env: provider.Env{Registerer: reg, Logger: bufferLogger(&logs)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runProvider(t, p)
+	password := func() string { return p.inv.Load().byID["a"].password.reveal() }
+
+	// Renamed over the old file (a new inode, the same size).
+	writeFile(t, pwFile, "pw-2-S3CR3T\n")
+	waitFor(t, 10*time.Second, "the password renamed over the old file is in force", func() bool { return password() == "pw-2-S3CR3T" })
+
+	// Rewritten in place with the same size (a new modification time).
+	if err := os.WriteFile(pwFile, []byte("pw-3-S3CR3T\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	later := time.Now().Add(time.Minute)
+	if err := os.Chtimes(pwFile, later, later); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the password rewritten in place is in force", func() bool { return password() == "pw-3-S3CR3T" })
+
+	// A rotated key.
+	writeFile(t, keyFile, string(key2))
+	waitFor(t, 10*time.Second, "the rotated key is in force", func() bool {
+		return string(p.inv.Load().byID["b"].signer.PublicKey().Marshal()) == string(signer2.PublicKey().Marshal())
+	})
+
+	// Removed: the inventory is broken, once, and the last good one stays;
+	// put back, it is read again.
+	if err := os.Remove(pwFile); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the missing secret file is counted", func() bool { return metricValue(t, reg, metricReloadErrors) == 1 })
+	if password() != "pw-3-S3CR3T" {
+		t.Errorf("with the secret file gone the password is %q, want the last good one", password())
+	}
+	writeFile(t, pwFile, "pw-4-S3CR3T\n")
+	waitFor(t, 10*time.Second, "the secret file put back is in force", func() bool { return password() == "pw-4-S3CR3T" })
+	if e := metricValue(t, reg, metricReloadErrors); e != 1 {
+		t.Errorf("reload errors = %v, want 1", e)
+	}
+	for _, secret := range []string{"pw-1-S3CR3T", "pw-2-S3CR3T", "pw-3-S3CR3T", "pw-4-S3CR3T"} {
+		if strings.Contains(logs.String(), secret) {
+			t.Errorf("the log holds the password %q:\n%s", secret, logs.String())
+		}
+	}
+	if !strings.Contains(logs.String(), "secret_file="+pwFile) {
+		t.Errorf("the log does not say which secret file changed:\n%s", logs.String())
+	}
+}

@@ -9,6 +9,7 @@
 //	  port: 22
 //	  ssh_user: root
 //	  reboot_command: systemctl reboot
+//	  trust_on_first_use: false
 //	machines:
 //	  - id: rack1-node7            # required; 1-128 bytes; unique; any string (not a UUID)
 //	    address: 10.0.0.7          # required; an IP address (v4 or v6), no host names
@@ -20,6 +21,9 @@
 //	    ssh_key_file: /etc/shepherd/node7.key       # optional extra private key (file or env,
 //	    ssh_key_env: NODE7_KEY                      # never both; no passphrase)
 //	    host_key: "ssh-ed25519 AAAAC3Nz..."         # optional pinned host key, authorized_keys format
+//	                                                # (ed25519, ECDSA or RSA)
+//	    trust_on_first_use: true                    # optional; default defaults.trust_on_first_use,
+//	                                                # else false: see Host keys and secrets
 //	    reboot_command: "ipmitool power cycle"      # optional; default defaults.reboot_command,
 //	                                                # else "systemctl reboot"
 //	  - id: n2
@@ -28,10 +32,34 @@
 // Secrets are never written in the inventory: fields such as password,
 // ssh_password, key, ssh_key or private_key are rejected, as is any field
 // the format does not know. A password file's single trailing newline is
-// not part of the password. Secret files and variables are read whenever
-// the inventory is (re)loaded, so after rotating a secret touch the
-// inventory or call Reload. Do not put secrets in reboot_command either: it
+// not part of the password. Do not put secrets in reboot_command either: it
 // appears in error messages.
+//
+// # Host keys and secrets
+//
+// A machine's SSH host key is verified against its host_key, or else
+// against the key the BMDB recorded when Shepherd first took the machine
+// over (trust on first use; `shepherd machine host-key accept` replaces a
+// recorded key after a reinstall, a pinned one is changed here). Shepherd's
+// own SSH key may go to a machine whose key is neither pinned nor recorded
+// yet: it proves only that we are Shepherd. The machine's own password and
+// key may not, because whoever answers at its address would get them: until
+// its key is pinned or recorded they are withheld, and a login that needs
+// them fails with a cause that says so. trust_on_first_use: true sends them
+// anyway, for machines that accept nothing else and whose host key cannot
+// be learnt out of band; the first key seen is then recorded as usual.
+//
+// # Reboots
+//
+// RebootMachine runs reboot_command over SSH within SSHTimeout. Until the
+// machine confirms that it started the command, any failure fails the
+// reboot, and the recoverer tries again after its backoff. Once it
+// confirmed, only a non-zero exit status fails the reboot; a zero status,
+// a connection cut, or a machine that stops answering until SSHTimeout (one
+// that reset at once, without closing the connection) count as a reboot
+// issued: that is what a reboot looks like from outside. Whether the machine
+// came back is for its agent's heartbeat to tell, and a reboot counted as
+// failed would be repeated on a machine that is booting already.
 //
 // An empty file is an error rather than an empty fleet, because a
 // half-written file must not make every machine disappear; write
@@ -41,11 +69,17 @@
 //
 // # Reloading
 //
-// Run checks the file every ReloadInterval. A changed file is parsed; if it
-// is good it replaces the inventory in force at once, otherwise the error
-// (which names FILE:LINE) is logged and counted and the last good inventory
-// stays in force. A machine that leaves the file disappears from
-// ListMachines; the provisioner then marks it Missing.
+// Run checks the file, and every secret file it names, every
+// ReloadInterval. A changed inventory, or a secret file that changed (its
+// content or its identity: modification time, size, inode, as when a
+// rotated secret is renamed over the old file), makes it parse the
+// inventory and read its secrets again; if they are good they replace the
+// inventory in force at once, otherwise the error (which names FILE:LINE)
+// is logged and counted and the last good inventory stays in force.
+// Reload does the same at once, whatever changed; shepherd run calls it on
+// SIGHUP. Secrets from environment variables are read with the inventory;
+// a process's environment does not change. A machine that leaves the file
+// disappears from ListMachines; the provisioner then marks it Missing.
 //
 // # Metrics
 //
