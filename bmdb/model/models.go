@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 type DecommissionedMachine struct {
@@ -102,12 +103,16 @@ type Process struct {
 }
 
 type ProviderState struct {
-	Provider              string
-	LeaseSessionID        uuid.NullUUID
-	LeaseAcquiredAt       *time.Time
-	UpdateLeaseSessionID  uuid.NullUUID
-	UpdateLeaseAcquiredAt *time.Time
-	UpdateConfirmedAt     *time.Time
+	Provider                string
+	LeaseSessionID          uuid.NullUUID
+	LeaseAcquiredAt         *time.Time
+	UpdateLeaseSessionID    uuid.NullUUID
+	UpdateLeaseAcquiredAt   *time.Time
+	UpdateConfirmedAt       *time.Time
+	ListingAcceptMaxMissing pgtype.Int4
+	ListingAcceptBy         *string
+	ListingAcceptAt         *time.Time
+	ListingAcceptUntil      *time.Time
 }
 
 type Session struct {

@@ -33,7 +33,7 @@ func newRootCommand() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newRunCommand(), newDevCommand(), newMigrateCommand(), newInstallCommand(), newEquinixCommand(), newVersionCommand())
-	root.AddCommand(newMachineCommand(), newSessionCommand())
+	root.AddCommand(newMachineCommand(), newSessionCommand(), newProviderCommand())
 	return root
 }
 

@@ -80,6 +80,10 @@ type stackConfig struct {
 
 	Initializer manager.InitializerConfig
 	Recoverer   manager.RecovererConfig
+	// Listing judges listings for the provisioner and the updater both
+	// (--suspect-fraction, --suspect-min-missing): their Listing fields are
+	// set from it.
+	Listing     manager.ListingGuard
 	Provisioner manager.ProvisionerConfig
 	Updater     manager.UpdaterConfig
 	// Janitor's heartbeat timeouts default to the recoverer's, so that the
@@ -225,7 +229,9 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 	}
 
 	if has(compProvisioner) {
-		pr, err := manager.NewProvisioner(cfg.Provisioner, s.db, p, s.reg, s.log)
+		pc := cfg.Provisioner
+		pc.Listing = cfg.Listing
+		pr, err := manager.NewProvisioner(pc, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
@@ -265,10 +271,7 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 	}
 	if has(compUpdater) {
 		uc := cfg.Updater
-		// One --suspect-fraction judges listings for both components.
-		if uc.SuspectFraction == 0 {
-			uc.SuspectFraction = cfg.Provisioner.SuspectFraction
-		}
+		uc.Listing = cfg.Listing
 		up, err := manager.NewUpdater(uc, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
