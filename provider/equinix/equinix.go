@@ -164,6 +164,14 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 // Name returns the provider name.
 func (p *Provider) Name() string { return p.cfg.Name }
 
+// Close closes the idle connections of the provider's API client, whose
+// goroutines would otherwise outlive a stopped process's components until
+// the transport's idle timeout. The provider stays usable.
+func (p *Provider) Close() error {
+	p.api.CloseIdleConnections()
+	return nil
+}
+
 // machine is a reservation (capacity) or a device as the provider reports it.
 type machine struct {
 	id           string
