@@ -10,6 +10,18 @@
 // creating a machine from it turns it into a device, listed under the
 // device's id. Both are the API's opaque ids.
 //
+// # SSH keys
+//
+// Every process registers its own SSH key as a project key labelled with
+// ssh_key_label and the key's SHA-256 fingerprint ("shepherd SHA256:…"),
+// and creates devices with every project key so labelled: processes with
+// different keys (each data directory has its own) all stay trusted on
+// every device, whichever process created it, and none overwrites another's
+// key. The keys are listed for every creation (one more request), so a
+// process that started a moment ago is trusted by the next device. Keys
+// of processes that are gone for good stay trusted until an operator
+// deletes them from the project; keys under other labels are never used.
+//
 // # Configuration
 //
 //	project: 4f0b…                 # required: the Metal project
@@ -18,7 +30,7 @@
 //	api_url: https://api.equinix.com/metal/v1   # default
 //	prefix: shepherd-              # hostname prefix of our devices; default "shepherd-"
 //	operating_system: ubuntu_22_04 # required: the OS devices are created (and reinstalled) with
-//	ssh_key_label: shepherd        # label of the project SSH key Shepherd ensures; default "shepherd"
+//	ssh_key_label: shepherd        # label prefix of Shepherd's project SSH keys; default "shepherd"
 //	ssh_port: 22                   # port of the devices' SSH servers; default 22
 //	requests_per_second: 5         # the account's request budget; default 5
 //	burst: 10                      # default 10
@@ -74,8 +86,8 @@ type Config struct {
 	Prefix string
 	// OperatingSystem is the OS slug devices are created and reinstalled with.
 	OperatingSystem string
-	// SSHKeyLabel is the label of the project SSH key the provider ensures
-	// at start; default "shepherd".
+	// SSHKeyLabel starts the labels of Shepherd's project SSH keys (see
+	// "SSH keys" in the package comment); default "shepherd".
 	SSHKeyLabel string
 	// SSHKey is Shepherd's public SSH key, put on every device; required.
 	SSHKey ssh.PublicKey
@@ -115,10 +127,12 @@ func (c Config) Validate() error {
 
 // Provider is the Equinix Metal provider.
 type Provider struct {
-	cfg      Config
-	api      *metal.Client
-	log      *slog.Logger
-	sshKeyID string
+	cfg Config
+	api *metal.Client
+	log *slog.Logger
+	// sshKey is this process's key in authorized_keys form, sshKeyLabel
+	// the label it is registered under.
+	sshKey, sshKeyLabel string
 
 	mu        sync.Mutex
 	penalised map[string]time.Time // reservation id → until
@@ -130,8 +144,8 @@ var (
 	_ provider.Releaser  = (*Provider)(nil)
 )
 
-// New checks cfg, ensures the project SSH key exists under its label with
-// Shepherd's key, and returns the provider.
+// New checks cfg, ensures this process's SSH key is a project key under
+// its own label, and returns the provider.
 func New(ctx context.Context, cfg Config) (*Provider, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -150,15 +164,69 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Provider{cfg: cfg, api: cfg.Client, log: log.With("provider", cfg.Name), penalised: map[string]time.Time{}}
-	key := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(cfg.SSHKey)))
-	k, err := p.api.EnsureSSHKey(ctx, cfg.Project, cfg.SSHKeyLabel, key)
-	if err != nil {
-		return nil, fmt.Errorf("equinix: ensuring project SSH key %q: %w", cfg.SSHKeyLabel, err)
+	p := &Provider{
+		cfg: cfg, api: cfg.Client, log: log.With("provider", cfg.Name), penalised: map[string]time.Time{},
+		sshKey:      strings.TrimSpace(string(ssh.MarshalAuthorizedKey(cfg.SSHKey))),
+		sshKeyLabel: sshKeyLabel(cfg.SSHKeyLabel, cfg.SSHKey),
 	}
-	p.sshKeyID = k.ID
-	p.log.Info("project SSH key in place", "label", cfg.SSHKeyLabel, "ssh_key_id", k.ID, "fingerprint", ssh.FingerprintSHA256(cfg.SSHKey))
+	k, err := p.api.EnsureSSHKey(ctx, cfg.Project, p.sshKeyLabel, p.sshKey)
+	if err != nil {
+		return nil, fmt.Errorf("equinix: ensuring project SSH key %q: %w", p.sshKeyLabel, err)
+	}
+	p.log.Info("project SSH key in place", "label", p.sshKeyLabel, "ssh_key_id", k.ID)
 	return p, nil
+}
+
+// sshKeyLabel is the label a process registers its SSH key under: the
+// configured label and the key's SHA-256 fingerprint. Each key has a label
+// of its own, so that processes with different keys (data directories of
+// their own) never overwrite each other's key, and a process that restarts
+// with its key finds it registered already.
+func sshKeyLabel(label string, key ssh.PublicKey) string {
+	return label + " " + ssh.FingerprintSHA256(key)
+}
+
+// isOurSSHKey reports whether a project key is one a Shepherd process with
+// the configured label registered: its label is sshKeyLabel of the key it
+// holds. A key someone labelled so by hand, but holding another key, is
+// not.
+func (p *Provider) isOurSSHKey(k metal.SSHKey) bool {
+	fp, ok := strings.CutPrefix(k.Label, p.cfg.SSHKeyLabel+" ")
+	if !ok || !strings.HasPrefix(fp, "SHA256:") {
+		return false
+	}
+	pub, _, _, _, err := ssh.ParseAuthorizedKey([]byte(k.Key))
+	return err == nil && ssh.FingerprintSHA256(pub) == fp
+}
+
+// deviceSSHKeys returns the ids of the project SSH keys a new device gets:
+// every Shepherd process's key (isOurSSHKey), since any process's
+// initializer may be the one that takes the device over. They are listed
+// for every creation, so that a device created just after another process
+// started trusts that process too. This process's key is registered again
+// if someone deleted it meanwhile.
+func (p *Provider) deviceSSHKeys(ctx context.Context) ([]string, error) {
+	keys, err := p.api.ListSSHKeys(ctx, p.cfg.Project)
+	if err != nil {
+		return nil, fmt.Errorf("equinix: listing project SSH keys: %w", err)
+	}
+	var ids []string
+	own := false
+	for _, k := range keys {
+		if p.isOurSSHKey(k) {
+			ids = append(ids, k.ID)
+			own = own || strings.TrimSpace(k.Key) == p.sshKey
+		}
+	}
+	if !own {
+		k, err := p.api.EnsureSSHKey(ctx, p.cfg.Project, p.sshKeyLabel, p.sshKey)
+		if err != nil {
+			return nil, fmt.Errorf("equinix: registering project SSH key %q again: %w", p.sshKeyLabel, err)
+		}
+		p.log.Warn("project SSH key was gone; registered it again", "label", p.sshKeyLabel, "ssh_key_id", k.ID)
+		ids = append(ids, k.ID)
+	}
+	return ids, nil
 }
 
 // Name returns the provider name.
@@ -343,7 +411,8 @@ func (p *Provider) Hostname(reservation string) string {
 }
 
 // CreateMachine creates a device on the reservation req.From names, with
-// the reservation's plan, the configured OS and the project SSH key. The
+// the reservation's plan, the configured OS and every Shepherd project SSH
+// key. The
 // witness is the creating session and the reservation: a retried request
 // finds the device its earlier attempt made instead of making a second.
 func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest) (provider.Machine, error) {
@@ -356,6 +425,10 @@ func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest
 	} else if err != nil {
 		return nil, fmt.Errorf("equinix: getting reservation %s: %w", req.From.ID(), err)
 	}
+	keys, err := p.deviceSSHKeys(ctx)
+	if err != nil {
+		return nil, err
+	}
 	witness := req.Session.String() + "/" + r.ID
 	d, err := p.api.CreateDevice(ctx, p.cfg.Project, metal.CreateDeviceRequest{
 		Hostname:              p.Hostname(r.ID),
@@ -363,7 +436,7 @@ func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest
 		Metro:                 r.Metro.Code,
 		OperatingSystem:       p.cfg.OperatingSystem,
 		HardwareReservationID: r.ID,
-		ProjectSSHKeys:        []string{p.sshKeyID},
+		ProjectSSHKeys:        keys,
 	}, witness)
 	switch {
 	case errors.Is(err, metal.ErrRaceLost):
