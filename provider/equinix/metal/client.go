@@ -40,10 +40,12 @@ const (
 	// few MB; more is a broken or hostile server.
 	maxBodyBytes = 64 << 20
 
-	// maxPages bounds one listing (100,000 objects at the default page
-	// size), so a server whose page links never end cannot keep a caller
-	// listing forever.
-	maxPages = 1000
+	// maxListObjects bounds one listing, far above any real project, so
+	// that a server whose page links never end, and which does not say how
+	// long its listing is, cannot keep a caller listing forever: at the
+	// default page size it is 100,000 pages. A listing whose API reports
+	// its length is bounded by that length (listAll).
+	maxListObjects = 10_000_000
 
 	userAgent = "shepherd-metal/1"
 )
@@ -64,7 +66,7 @@ type Client struct {
 
 	// Test knobs, set only by tests before the first call.
 	backoffBase, backoffMax time.Duration
-	maxPages                int
+	maxPages                int // maxListObjects in pages of cfg.PerPage
 }
 
 // New returns a client for the account cfg.Token belongs to. It sends no
@@ -91,7 +93,7 @@ func New(cfg Config) (*Client, error) {
 		log:         cfg.Logger,
 		backoffBase: backoffBase,
 		backoffMax:  backoffMax,
-		maxPages:    maxPages,
+		maxPages:    (maxListObjects + cfg.PerPage - 1) / cfg.PerPage,
 	}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
