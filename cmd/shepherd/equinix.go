@@ -22,6 +22,9 @@ import (
 type equinixCLI struct {
 	configPath string
 	yes        bool
+	// stdin reads the answers to questions; one reader for all of them, so
+	// that none reads ahead into the next one's answer.
+	stdin *bufio.Reader
 }
 
 func (e *equinixCLI) open() (*metal.Client, equinix.Config, error) {
@@ -49,11 +52,68 @@ func (e *equinixCLI) confirm(cmd *cobra.Command, what string) error {
 		return nil
 	}
 	fmt.Fprintf(cmd.ErrOrStderr(), "%s\nProceed? [y/N] ", what)
-	line, _ := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
-	if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+	if a := strings.ToLower(e.answer(cmd)); a != "y" && a != "yes" {
 		return errors.New("not confirmed; nothing changed (pass --yes to skip the question)")
 	}
 	return nil
+}
+
+// answer reads one line of the operator's answer, trimmed; "" at the end
+// of the input.
+func (e *equinixCLI) answer(cmd *cobra.Command) string {
+	if e.stdin == nil {
+		e.stdin = bufio.NewReader(cmd.InOrStdin())
+	}
+	line, _ := e.stdin.ReadString('\n')
+	return strings.TrimSpace(line)
+}
+
+// deleteDevices deletes the devices named. Each is looked up first: one
+// that is not Shepherd's (equinix.Config.Ours) is deleted only with
+// includeForeign and once the operator has typed its hostname, --yes or
+// not, since a wrong id there deletes someone else's server. Otherwise
+// nothing at all is deleted. A device whose lookup failed is reported as
+// failed and not deleted.
+func (e *equinixCLI) deleteDevices(cmd *cobra.Command, ids []string, includeForeign bool) error {
+	c, cfg, err := e.open()
+	if err != nil {
+		return err
+	}
+	lookups := make(map[string]error, len(ids))
+	var foreign []metal.Device
+	for _, id := range ids {
+		d, err := c.GetDevice(cmd.Context(), id)
+		switch {
+		case err != nil:
+			lookups[id] = fmt.Errorf("looking the device up: %w", err)
+		case !cfg.Ours(d):
+			foreign = append(foreign, d)
+		}
+	}
+	if len(foreign) > 0 && !includeForeign {
+		names := make([]string, len(foreign))
+		for i, d := range foreign {
+			names[i] = fmt.Sprintf("%s (%s)", d.ID, d.Hostname)
+		}
+		return fmt.Errorf("not Shepherd's (hostname without the prefix %q): %s; nothing deleted. "+
+			"To delete them anyway, add --include-foreign and type each one's hostname when asked",
+			cfg.HostnamePrefix(), strings.Join(names, ", "))
+	}
+	for _, d := range foreign {
+		fmt.Fprintf(cmd.ErrOrStderr(), "Device %s is not Shepherd's. Type its hostname (%s) to delete it: ", d.ID, d.Hostname)
+		if e.answer(cmd) != d.Hostname {
+			return fmt.Errorf("the hostname of device %s was not typed; nothing deleted", d.ID)
+		}
+	}
+	if err := e.confirm(cmd, fmt.Sprintf("delete %d device(s): %s?", len(ids), strings.Join(ids, ", "))); err != nil {
+		return err
+	}
+	return bulk(cmd, "delete", ids, func(ctx context.Context, id string) error {
+		if err := lookups[id]; err != nil {
+			return err
+		}
+		return c.DeleteDevice(ctx, id)
+	})
 }
 
 // bulk runs fn for every id, printing progress, and reports how many
@@ -103,10 +163,6 @@ func newEquinixCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			prefix := cfg.Prefix
-			if prefix == "" {
-				prefix = "shepherd-"
-			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "ID\tHOSTNAME\tSTATE\tOURS\tIP\tRESERVATION\tMETRO")
 			for _, d := range ds {
@@ -119,7 +175,7 @@ func newEquinixCommand() *cobra.Command {
 				if ip.IsValid() {
 					ipText = ip.String()
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%s\t%s\t%s\n", d.ID, d.Hostname, d.State, strings.HasPrefix(d.Hostname, prefix), ipText, res, d.Metro.Code)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%s\t%s\t%s\n", d.ID, d.Hostname, d.State, cfg.Ours(d), ipText, res, d.Metro.Code)
 			}
 			return w.Flush()
 		},
@@ -142,9 +198,20 @@ func newEquinixCommand() *cobra.Command {
 			},
 		}
 	}
+	var includeForeign bool
+	deleteCmd := &cobra.Command{
+		Use:   "delete ID...",
+		Short: "Delete devices (their reservations become free capacity)",
+		Long: "Deletes the devices named. A device that is not Shepherd's (its hostname lacks the\n" +
+			"provider's prefix) is refused, --yes or not, and then nothing is deleted; with\n" +
+			"--include-foreign it is deleted once its hostname has been typed when asked.",
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, ids []string) error { return e.deleteDevices(cmd, ids, includeForeign) },
+	}
+	deleteCmd.Flags().BoolVar(&includeForeign, "include-foreign", false,
+		"also delete devices that are not Shepherd's, each once its hostname is typed (--yes does not skip that)")
 	devices.AddCommand(
-		deviceAction("delete", "Delete devices (their reservations become free capacity)",
-			func(c *metal.Client) func(context.Context, string) error { return c.DeleteDevice }),
+		deleteCmd,
 		deviceAction("reboot", "Reboot devices",
 			func(c *metal.Client) func(context.Context, string) error { return c.RebootDevice }),
 	)

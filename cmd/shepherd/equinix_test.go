@@ -123,3 +123,79 @@ func TestEquinixCLI(t *testing.T) {
 		t.Errorf("without --config: %v", err)
 	}
 }
+
+// TestEquinixCLIDeleteForeign: `devices delete` refuses devices that are
+// not Shepherd's (hostname without the provider's prefix), also with --yes,
+// and deletes nothing then; --include-foreign deletes them only once the
+// operator has typed each one's hostname.
+func TestEquinixCLIDeleteForeign(t *testing.T) {
+	t.Parallel()
+	const token = "cli-token-never-printed"
+	fake, err := fakemetal.New(fakemetal.Config{Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fake.AddProject("ours")
+	ours := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active"})
+	db1 := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-1", State: "active"})
+	db2 := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-2", State: "active"})
+	srv := httptest.NewServer(fake)
+	t.Cleanup(srv.Close)
+	dir := t.TempDir()
+	tokenFile, cfg := filepath.Join(dir, "token"), filepath.Join(dir, "equinix.yaml")
+	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cfg, fmt.Appendf(nil, "project: ours\napi_url: %s/metal/v1\ntoken_file: %s\noperating_system: ubuntu_22_04\n", srv.URL, tokenFile), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var all strings.Builder
+	cli := func(stdin string, args ...string) (string, error) {
+		t.Helper()
+		out, err := runIn(t, stdin, append([]string{"equinix", "--config", cfg}, args...)...)
+		all.WriteString(out)
+		if err != nil {
+			all.WriteString(err.Error())
+		}
+		return out, err
+	}
+	exists := func(id string) bool {
+		_, ok := fake.Device(id)
+		return ok
+	}
+
+	// --yes is not enough for a foreign device, alone or among ours.
+	for _, ids := range [][]string{{db1}, {ours, db1}} {
+		_, err := cli("", append([]string{"--yes", "devices", "delete"}, ids...)...)
+		if err == nil || !strings.Contains(err.Error(), "not Shepherd's") || !strings.Contains(err.Error(), "--include-foreign") || !strings.Contains(err.Error(), "db-1") {
+			t.Errorf("delete %v with --yes: %v, want a refusal naming db-1 and --include-foreign", ids, err)
+		}
+		if !exists(db1) || !exists(ours) {
+			t.Fatalf("delete %v with --yes deleted a device after refusing", ids)
+		}
+	}
+	// --include-foreign asks for the hostname, even with --yes; a wrong
+	// answer deletes nothing.
+	if _, err := cli("db-2\n", "--yes", "devices", "delete", "--include-foreign", db1); err == nil || !strings.Contains(err.Error(), "nothing deleted") {
+		t.Errorf("delete with the wrong hostname typed: %v, want a refusal", err)
+	}
+	if _, err := cli("", "--yes", "devices", "delete", "--include-foreign", db1); err == nil {
+		t.Error("delete with no hostname typed succeeded")
+	}
+	if !exists(db1) {
+		t.Fatal("a foreign device was deleted without its hostname typed")
+	}
+	// Both hostnames typed, then the usual question answered.
+	out, err := cli("db-1\ndb-2\ny\n", "devices", "delete", "--include-foreign", db1, ours, db2)
+	if err != nil || strings.Count(out, ": ok") != 3 {
+		t.Fatalf("delete with both hostnames typed and confirmed: %v\n%s", err, out)
+	}
+	for _, id := range []string{db1, db2, ours} {
+		if exists(id) {
+			t.Errorf("device %s still exists after a confirmed delete", id)
+		}
+	}
+	if strings.Contains(all.String(), token) {
+		t.Error("the API token appears in the CLI's output")
+	}
+}

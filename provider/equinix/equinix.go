@@ -261,8 +261,17 @@ func (m *machine) Location() string                    { return m.location }
 func (m *machine) ReservationID() string               { return m.reservation }
 func (m *machine) Status() provider.Status             { return m.status }
 
+// Ours reports whether a device is one of Shepherd's: its hostname starts
+// with the configured prefix (default "shepherd-"). The provider never acts
+// on other devices, and the CLI deletes one only when told twice.
+func (c Config) Ours(d metal.Device) bool { return strings.HasPrefix(d.Hostname, c.HostnamePrefix()) }
+
+// HostnamePrefix is the hostname prefix of Shepherd's devices: Prefix, or
+// its default.
+func (c Config) HostnamePrefix() string { return cmp.Or(c.Prefix, defaultPrefix) }
+
 // ours reports whether a device is one of Shepherd's.
-func (p *Provider) ours(d metal.Device) bool { return strings.HasPrefix(d.Hostname, p.cfg.Prefix) }
+func (p *Provider) ours(d metal.Device) bool { return p.cfg.Ours(d) }
 
 // deviceMachine describes a device.
 func (p *Provider) deviceMachine(d metal.Device) *machine {
