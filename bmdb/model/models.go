@@ -102,6 +102,13 @@ type Process struct {
 	MachineExclusive bool
 }
 
+type ProviderRequestBudget struct {
+	Account     string
+	Tokens      float64
+	RefilledAt  time.Time
+	PausedUntil time.Time
+}
+
 type ProviderState struct {
 	Provider                string
 	LeaseSessionID          uuid.NullUUID

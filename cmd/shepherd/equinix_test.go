@@ -9,7 +9,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
+	"github.com/shepherd/shepherd/provider/equinix/metal"
 )
 
 // runIn runs the shepherd command with stdin.
@@ -197,5 +199,46 @@ func TestEquinixCLIDeleteForeign(t *testing.T) {
 	}
 	if strings.Contains(all.String(), token) {
 		t.Error("the API token appears in the CLI's output")
+	}
+}
+
+// TestEquinixCLISharedBudget: given the BMDB, the CLI takes its requests
+// from the budget the fleet's processes share there, under a name that
+// does not show the token; a BMDB that cannot be opened is an error, not a
+// silent budget of its own.
+func TestEquinixCLISharedBudget(t *testing.T) {
+	t.Parallel()
+	const token = "cli-token-never-printed"
+	fake, err := fakemetal.New(fakemetal.Config{Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fake.AddProject("ours")
+	fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active"})
+	srv := httptest.NewServer(fake)
+	t.Cleanup(srv.Close)
+	dir := t.TempDir()
+	tokenFile, cfg := filepath.Join(dir, "token"), filepath.Join(dir, "equinix.yaml")
+	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cfg, fmt.Appendf(nil, "project: ours\napi_url: %s/metal/v1\ntoken_file: %s\noperating_system: ubuntu_22_04\nburst: 7\n", srv.URL, tokenFile), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	db := bmdbtest.New(t)
+	out, err := runIn(t, "", "equinix", "--config", cfg, "--database-url", db.URL, "devices", "list")
+	if err != nil || !strings.Contains(out, "shepherd-a1") {
+		t.Fatalf("devices list with the BMDB: %v\n%s", err, out)
+	}
+	account := metal.Config{BaseURL: srv.URL + "/metal/v1", Token: token}.Account()
+	if strings.Contains(account, token) {
+		t.Fatalf("the budget's account name %q shows the token", account)
+	}
+	// One request taken from the burst of 7 (plus what refilled since).
+	if n := bmdbtest.Scalar[float64](t, db, "SELECT tokens FROM provider_request_budgets WHERE account = $1", account); n > 6.5 {
+		t.Errorf("the shared budget holds %v tokens after one request from a burst of 7", n)
+	}
+	if _, err := runIn(t, "", "equinix", "--config", cfg, "--database-url", "postgres://nobody@127.0.0.1:1/none?connect_timeout=2", "devices", "list"); err == nil || !strings.Contains(err.Error(), "shared request budget") {
+		t.Errorf("devices list with a BMDB that cannot be opened: %v, want an error", err)
 	}
 }

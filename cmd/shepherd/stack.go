@@ -286,6 +286,9 @@ func (s *stack) build(ctx context.Context, b *build) error {
 		HostKeys:   hostKeys,
 		SSHSigner:  signer,
 		SSHUser:    cfg.SSHUser,
+		// Every process of the fleet shares an API account's budget
+		// through the BMDB (SPEC §5.3).
+		RequestBudget: manager.RequestBudgets(s.db),
 	}
 	registry := cfg.Providers
 	if registry == nil {

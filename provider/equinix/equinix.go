@@ -22,6 +22,16 @@
 // of processes that are gone for good stay trusted until an operator
 // deletes them from the project; keys under other labels are never used.
 //
+// # Request budget
+//
+// requests_per_second and burst are the API account's budget, whichever
+// processes use it: run by `shepherd run` (and by `shepherd equinix` given
+// the BMDB), the provider takes its requests from a token bucket in the
+// BMDB that every process with the same API URL and token shares
+// (provider.Env.RequestBudget), and a 429 any of them gets pauses them
+// all. Give every process the same values. Without the BMDB the budget is
+// the process's own.
+//
 // # Configuration
 //
 //	project: 4f0b…                 # required: the Metal project
@@ -33,7 +43,7 @@
 //	ssh_key_label: shepherd        # label prefix of Shepherd's project SSH keys; default "shepherd"
 //	ssh_port: 22                   # port of the devices' SSH servers; default 22
 //	requests_per_second: 5         # the account's request budget; default 5
-//	burst: 10                      # default 10
+//	burst: 10                      # default 10 (the budget: see below)
 //	max_concurrency: 8             # requests in flight; default 8
 //	failed_reservation_penalty: 1h # a reservation whose device failed is not used again for this long
 //	state_poll_interval: 5s        # how often a reboot or reinstall polls the device's state
@@ -648,9 +658,23 @@ func ParseConfig(data []byte, getenv func(string) string) (FileConfig, error) {
 	return fc, nil
 }
 
+// SharedBudget is the metal client's hook (metal.Config.SharedBudget) for
+// budgets, a process's source of budgets shared by every process
+// (provider.Env.RequestBudget); nil for nil, which leaves the client its
+// budget in memory.
+func SharedBudget(budgets func(account string, rate float64, burst int) (provider.RequestBudget, error)) func(string, float64, int) (metal.Budget, error) {
+	if budgets == nil {
+		return nil
+	}
+	return func(account string, rate float64, burst int) (metal.Budget, error) {
+		return budgets(account, rate, burst)
+	}
+}
+
 // Factory is the provider.Factory for the registry: config is the YAML of
-// the package comment. The provider's client gets the process's logger and
-// metrics registerer.
+// the package comment. The provider's client gets the process's logger,
+// metrics registerer and, if the process has one (env.RequestBudget), the
+// request budget every process using the account shares.
 func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Provider, error) {
 	fc, err := ParseConfig(config, nil)
 	if err != nil {
@@ -660,6 +684,7 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 		return nil, errors.New("equinix: the process has no SSH key to put on devices")
 	}
 	fc.Client.Logger, fc.Client.Registerer = env.Logger, env.Registerer
+	fc.Client.SharedBudget = SharedBudget(env.RequestBudget)
 	client, err := metal.New(fc.Client)
 	if err != nil {
 		return nil, err
