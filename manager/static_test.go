@@ -27,10 +27,7 @@ func TestBrokenInventoryChangesNothing(t *testing.T) {
 	db := bmdbtest.New(t)
 	path := filepath.Join(t.TempDir(), "inventory.yaml")
 	// Six machines: dropping one stays below the suspect-listing guard.
-	good := "machines:\n"
-	for i, id := range []string{"a", "b", "c", "d", "e", "f"} {
-		good += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
-	}
+	good := inventoryYAML("a", "b", "c", "d", "e", "f")
 	write := func(s string) {
 		t.Helper()
 		if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
@@ -106,11 +103,7 @@ func TestSmallFleetLosesAMachine(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "inventory.yaml")
 	inventory := func(ids ...string) {
 		t.Helper()
-		s := "machines:\n"
-		for i, id := range ids {
-			s += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
-		}
-		if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
+		if err := os.WriteFile(path, []byte(inventoryYAML(ids...)), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -155,4 +148,14 @@ func TestSmallFleetLosesAMachine(t *testing.T) {
 	if got := ourIDs(t, db, "lab")["c"]; got != bmdb.ProviderStatusMissing {
 		t.Errorf("c has status %q after the provisioner's pass, want Missing", got)
 	}
+}
+
+// inventoryYAML is a static inventory of machines with these ids, at
+// 192.0.2.1 onwards.
+func inventoryYAML(ids ...string) string {
+	s := "machines:\n"
+	for i, id := range ids {
+		s += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
+	}
+	return s
 }

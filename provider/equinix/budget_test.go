@@ -2,8 +2,6 @@ package equinix_test
 
 import (
 	"context"
-	"crypto/ed25519"
-	"crypto/rand"
 	"fmt"
 	"log/slog"
 	"net/http/httptest"
@@ -14,7 +12,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
@@ -72,18 +69,10 @@ func TestBudgetSharedAcrossProcesses(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(pdb.Close)
-				_, key, err := ed25519.GenerateKey(rand.Reader)
-				if err != nil {
-					t.Fatal(err)
-				}
-				signer, err := ssh.NewSignerFromKey(key)
-				if err != nil {
-					t.Fatal(err)
-				}
 				p, err := equinix.Factory(t.Context(), provider.Env{
 					Logger:        slog.New(slog.DiscardHandler),
 					Registerer:    prometheus.NewRegistry(),
-					SSHSigner:     signer,
+					SSHSigner:     newSigner(t),
 					RequestBudget: manager.RequestBudgets(pdb),
 				}, config)
 				if err != nil {

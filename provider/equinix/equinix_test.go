@@ -101,14 +101,7 @@ func (f *fixture) newProvider(t *testing.T, cc metal.Config) (*equinix.Provider,
 		t.Fatal(err)
 	}
 	t.Cleanup(client.CloseIdleConnections)
-	_, key, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	signer, err := ssh.NewSignerFromKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
+	signer := newSigner(t)
 	pc := f.fc.provider
 	pc.Project, pc.Client, pc.OperatingSystem, pc.SSHKey, pc.Logger = project, client, "ubuntu_22_04", signer.PublicKey(), log
 	pc.StatePollInterval = cmpOr(pc.StatePollInterval, 20*time.Millisecond)
@@ -118,6 +111,21 @@ func (f *fixture) newProvider(t *testing.T, cc metal.Config) (*equinix.Provider,
 		t.Fatal(err)
 	}
 	return p, signer.PublicKey()
+}
+
+// newSigner returns a new SSH key, as a process makes in its data
+// directory.
+func newSigner(t *testing.T) ssh.Signer {
+	t.Helper()
+	_, key, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer, err := ssh.NewSignerFromKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return signer
 }
 
 func cmpOr(a, b time.Duration) time.Duration {
