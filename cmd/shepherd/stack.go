@@ -153,7 +153,7 @@ func parseComponents(list []string) ([]string, error) {
 // would leave them running (or, stopped, would have let a provisioner make
 // machines for a process that never came up).
 func (s *stack) run(ctx context.Context, ready func(*stack)) error {
-	var b build
+	var b parts
 	defer b.close()
 	if err := s.build(ctx, &b); err != nil {
 		b.abandon()
@@ -173,8 +173,8 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 	return nil
 }
 
-// build is the stack's components, built and not yet running.
-type build struct {
+// parts are the stack's components, built and not yet running.
+type parts struct {
 	components []component
 	// abandonFns release what built components hold (their listeners) when
 	// they will never run; a running component releases it itself.
@@ -190,23 +190,23 @@ type component struct {
 	run  func(ctx context.Context) error
 }
 
-func (b *build) add(name string, run func(ctx context.Context) error) {
+func (b *parts) add(name string, run func(ctx context.Context) error) {
 	b.components = append(b.components, component{name, run})
 }
 
 // onAbandon registers fn to release a resource if the stack never runs.
-func (b *build) onAbandon(fn func()) { b.abandonFns = append(b.abandonFns, fn) }
+func (b *parts) onAbandon(fn func()) { b.abandonFns = append(b.abandonFns, fn) }
 
 // onClose registers fn to run when the stack is done.
-func (b *build) onClose(fn func()) { b.closeFns = append(b.closeFns, fn) }
+func (b *parts) onClose(fn func()) { b.closeFns = append(b.closeFns, fn) }
 
-func (b *build) abandon() {
+func (b *parts) abandon() {
 	for i := len(b.abandonFns) - 1; i >= 0; i-- {
 		b.abandonFns[i]()
 	}
 }
 
-func (b *build) close() {
+func (b *parts) close() {
 	for i := len(b.closeFns) - 1; i >= 0; i-- {
 		b.closeFns[i]()
 	}
@@ -214,7 +214,7 @@ func (b *build) close() {
 
 // build builds the configured components into b, in the order they
 // depend on each other, and starts none of them.
-func (s *stack) build(ctx context.Context, b *build) error {
+func (s *stack) build(ctx context.Context, b *parts) error {
 	cfg := s.cfg
 	has := func(c string) bool { return slices.Contains(cfg.Components, c) }
 
@@ -410,7 +410,7 @@ func readCA(path string) ([]byte, error) {
 
 // buildMetrics opens the metrics listener, so that a taken address fails
 // the start, and adds the component that serves /metrics on it.
-func (s *stack) buildMetrics(b *build) error {
+func (s *stack) buildMetrics(b *parts) error {
 	ln, err := net.Listen("tcp", s.cfg.MetricsListen)
 	if err != nil {
 		return fmt.Errorf("--metrics-listen: %w", err)

@@ -56,7 +56,7 @@ func readOperatorToken(path string, log *slog.Logger) (web.Token, error) {
 // buildWeb builds the web UI and opens its listener, so that s.webAddr is
 // known and a taken port fails the start, and adds the component that
 // serves it.
-func (s *stack) buildWeb(b *build) error {
+func (s *stack) buildWeb(b *parts) error {
 	wc := s.cfg.Web
 	rc := s.cfg.Recoverer
 	cfg := web.Config{

@@ -43,7 +43,7 @@
 //	ssh_key_label: shepherd        # label prefix of Shepherd's project SSH keys; default "shepherd"
 //	ssh_port: 22                   # port of the devices' SSH servers; default 22
 //	requests_per_second: 5         # the account's request budget; default 5
-//	burst: 10                      # default 10 (the budget: see below)
+//	burst: 10                      # default 10; both: see "Request budget"
 //	max_concurrency: 8             # requests in flight; default 8
 //	failed_reservation_penalty: 1h # a reservation whose device failed is not used again for this long
 //	state_poll_interval: 5s        # how often a reboot or reinstall polls the device's state
@@ -692,5 +692,10 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 	fc.Provider.Client = client
 	fc.Provider.SSHKey = env.SSHSigner.PublicKey()
 	fc.Provider.Logger = env.Logger
-	return New(ctx, fc.Provider)
+	p, err := New(ctx, fc.Provider)
+	if err != nil {
+		client.CloseIdleConnections() // nobody will Close a provider that is not there
+		return nil, err
+	}
+	return p, nil
 }
