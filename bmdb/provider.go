@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"time"
 
@@ -488,4 +489,61 @@ func (db *DB) MachineByProviderID(ctx context.Context, provider, providerID stri
 		return uuid.Nil, fmt.Errorf("bmdb: finding machine %s/%s: %w", provider, providerID, err)
 	}
 	return id, nil
+}
+
+// MaxListingAcceptance bounds how long an operator's acceptance of a
+// suspect listing waits for a pass to take it. The acceptance is for the
+// listing the operator just looked at; a day later it could only vouch for
+// some other, unrelated bad listing.
+const MaxListingAcceptance = 24 * time.Hour
+
+// ListingAcceptance is an operator's word that the next suspect listing of
+// a provider (SPEC §3.2) is right after all: the machines it lacks, at most
+// MaxMissing of them, are really gone.
+type ListingAcceptance struct {
+	Provider   string
+	MaxMissing int
+	By         string    // who accepted, for the logs
+	At, Until  time.Time // when it was recorded, and when it lapses untaken
+}
+
+// AcceptListing records that the next suspect listing of provider that
+// lacks at most maxMissing machines is to be believed, if a pass finds it
+// within validFor (at most MaxListingAcceptance). It replaces an earlier
+// acceptance of the provider. Bad arguments change nothing.
+func (db *DB) AcceptListing(ctx context.Context, provider string, maxMissing int, validFor time.Duration, by string) (ListingAcceptance, error) {
+	switch {
+	case provider == "":
+		return ListingAcceptance{}, errors.New("bmdb: accepting a listing: the provider name is empty")
+	case maxMissing < 1 || maxMissing > math.MaxInt32:
+		return ListingAcceptance{}, fmt.Errorf("bmdb: accepting a listing of %s: max missing must be between 1 and %d, got %d", provider, math.MaxInt32, maxMissing)
+	case validFor <= 0 || validFor > MaxListingAcceptance:
+		return ListingAcceptance{}, fmt.Errorf("bmdb: accepting a listing of %s: validity must be within (0, %s], got %s", provider, MaxListingAcceptance, validFor)
+	}
+	var r model.ProviderListingAcceptRow
+	err := db.retry(ctx, func(ctx context.Context) error {
+		var err error
+		r, err = db.q.ProviderListingAccept(ctx, model.ProviderListingAcceptParams{
+			Provider: provider, MaxMissing: int32(maxMissing), AcceptedBy: by, ValidForSeconds: validFor.Seconds()})
+		return err
+	})
+	if err != nil {
+		return ListingAcceptance{}, fmt.Errorf("bmdb: accepting a listing of %s: %w", provider, err)
+	}
+	return ListingAcceptance{Provider: provider, MaxMissing: maxMissing, By: by, At: r.AcceptedAt, Until: r.AcceptedUntil}, nil
+}
+
+// TakeListingAcceptance takes provider's acceptance if it covers a listing
+// that lacks missing machines and has not lapsed, and reports whether there
+// was one. Taking it clears it: one acceptance believes one listing, and of
+// processes that find the same suspect listing at once only one takes it.
+func (tx *Tx) TakeListingAcceptance(ctx context.Context, provider string, missing int) (ListingAcceptance, bool, error) {
+	r, err := tx.q.ProviderListingAcceptanceTake(ctx, model.ProviderListingAcceptanceTakeParams{
+		Provider: provider, Missing: int32(min(missing, math.MaxInt32))})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ListingAcceptance{}, false, nil
+	} else if err != nil {
+		return ListingAcceptance{}, false, fmt.Errorf("bmdb: taking the listing acceptance of %s: %w", provider, err)
+	}
+	return ListingAcceptance{Provider: provider, MaxMissing: int(r.MaxMissing), By: r.AcceptedBy, At: r.AcceptedAt, Until: r.AcceptedUntil}, true, nil
 }

@@ -288,3 +288,67 @@ func getProvided(t *testing.T, db *bmdbtest.DB, m uuid.UUID) bmdb.ProvidedMachin
 	}
 	return g
 }
+
+// TestListingAcceptanceTakenOnce has sessions of several processes find the
+// same suspect listing at once: the operator's acceptance believes one
+// listing, so exactly one of them takes it.
+func TestListingAcceptanceTakenOnce(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	for _, bad := range []struct {
+		provider string
+		max      int
+		valid    time.Duration
+		want     string
+	}{
+		{"", 1, time.Hour, "provider name is empty"},
+		{"lab", 0, time.Hour, "max missing must be between 1"},
+		{"lab", 1, 0, "validity must be within"},
+		{"lab", 1, 25 * time.Hour, "validity must be within"},
+	} {
+		if _, err := db.AcceptListing(t.Context(), bad.provider, bad.max, bad.valid, "test"); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("AcceptListing(%q, %d, %s) = %v, want an error containing %q", bad.provider, bad.max, bad.valid, err, bad.want)
+		}
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM provider_state"); n != 0 {
+		t.Fatalf("refused acceptances left %d provider_state rows", n)
+	}
+
+	if _, err := db.AcceptListing(t.Context(), "lab", 5, time.Hour, "alice"); err != nil {
+		t.Fatal(err)
+	}
+	const takers = 4
+	results := make(chan bool, takers)
+	errs := make(chan error, takers)
+	for i := range takers {
+		s := bmdbtest.Session(t, db, fmt.Sprintf("updater-%d", i), time.Minute)
+		go func() {
+			var took bool
+			err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+				acc, ok, err := tx.TakeListingAcceptance(ctx, "lab", 5)
+				if ok && (acc.By != "alice" || acc.MaxMissing != 5) {
+					return fmt.Errorf("took %+v", acc)
+				}
+				took = ok
+				return err
+			})
+			results <- took
+			errs <- err
+		}()
+	}
+	taken := 0
+	for range takers {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	close(results)
+	for ok := range results {
+		if ok {
+			taken++
+		}
+	}
+	if taken != 1 {
+		t.Errorf("%d sessions took the one acceptance, want exactly 1", taken)
+	}
+}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,10 +26,10 @@ type ProvisionerConfig struct {
 	ChunkSize int
 	// CreateLimit rate-limits creations; default 100ms,10.
 	CreateLimit Limit
-	// SuspectFraction: a listing in which more than this fraction of the
-	// BMDB's machines is missing is not believed, and the pass changes
-	// nothing. Default 0.2.
-	SuspectFraction float64
+	// Listing says when a listing lacks too many of the BMDB's machines to
+	// be believed; the pass then changes nothing. Defaults: more than 20 %
+	// and more than 3 machines.
+	Listing ListingGuard
 	// Lease is the session lease; default bmdb.DefaultLease.
 	Lease time.Duration
 }
@@ -44,8 +43,9 @@ func (c ProvisionerConfig) Validate() error {
 		return fmt.Errorf("provisioner: MaxMachines must be >= 0 (0 = no limit), got %d", c.MaxMachines)
 	case c.ChunkSize < 0:
 		return fmt.Errorf("provisioner: ChunkSize must be >= 0 (0 = default), got %d", c.ChunkSize)
-	case c.SuspectFraction < 0 || c.SuspectFraction > 1 || math.IsNaN(c.SuspectFraction):
-		return fmt.Errorf("provisioner: SuspectFraction must be within [0, 1] (0 = default 0.2), got %v", c.SuspectFraction)
+	}
+	if err := c.Listing.validate("provisioner"); err != nil {
+		return err
 	}
 	return c.CreateLimit.validate("provisioner")
 }
@@ -60,6 +60,7 @@ type Provisioner struct {
 	log     *slog.Logger
 	limiter *rate.Limiter
 	metrics *provisionerMetrics
+	check   *listingCheck
 }
 
 type provisionerMetrics struct {
@@ -76,7 +77,6 @@ func NewProvisioner(cfg ProvisionerConfig, db *bmdb.DB, p provider.Provider, reg
 	}
 	cfg.Period = cmp.Or(cfg.Period, 30*time.Second)
 	cfg.ChunkSize = cmp.Or(cfg.ChunkSize, 50)
-	cfg.SuspectFraction = cmp.Or(cfg.SuspectFraction, 0.2)
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -84,7 +84,7 @@ func NewProvisioner(cfg ProvisionerConfig, db *bmdb.DB, p provider.Provider, reg
 	m := &provisionerMetrics{
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "shepherd_provisioner_passes_total", ConstLabels: labels,
-			Help: "Reconcile passes, by result (ok, suspect: the listing was not believed, busy: another process held the lease, error).",
+			Help: "Reconcile passes, by result (ok, suspect: the listing lacked too many machines to be believed, see shepherd_provisioner_suspect_listing_missing_machines; busy: another process held the lease; error).",
 		}, []string{"result"}),
 		machines: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "shepherd_provisioner_machines_total", ConstLabels: labels,
@@ -110,9 +110,13 @@ func NewProvisioner(cfg ProvisionerConfig, db *bmdb.DB, p provider.Provider, reg
 	for _, a := range []string{"created", "adopted", "missing", "found"} {
 		m.machines.WithLabelValues(a)
 	}
+	check, err := newListingCheck("provisioner", cfg.Listing, labels, reg)
+	if err != nil {
+		return nil, err
+	}
 	return &Provisioner{
 		cfg: cfg, db: db, p: p, log: log.With("component", "provisioner", "provider", p.Name()),
-		limiter: cfg.CreateLimit.limiter(DefaultLimit()), metrics: m,
+		limiter: cfg.CreateLimit.limiter(DefaultLimit()), metrics: m, check: check,
 	}, nil
 }
 
@@ -131,8 +135,11 @@ func (pr *Provisioner) Run(ctx context.Context) error {
 
 // PassResult says what one pass did.
 type PassResult struct {
-	Busy                   bool // another session held the lease: nothing done
-	Suspect                bool // the listing was not believed: nothing changed
+	Busy    bool // another session held the lease: nothing done
+	Suspect bool // the listing was not believed: nothing changed
+	// Accepted: the listing lacked too many machines to be believed, but an
+	// operator had accepted it (bmdb.DB.AcceptListing).
+	Accepted               bool
 	Created, Adopted       int
 	MarkedMissing, Found   int
 	Foreign, FailedCreates int
@@ -190,14 +197,14 @@ func (pr *Provisioner) pass(ctx context.Context, s *bmdb.Session) (PassResult, e
 
 	// Machines the BMDB has and the listing lacks become Missing, unless so
 	// many do that the listing is not believed.
-	presence, err := l.reconcilePresence(ctx, s, pr.cfg.SuspectFraction, pr.log)
+	presence, err := l.reconcilePresence(ctx, s, pr.check, pr.log)
 	if err != nil {
 		return res, err
 	}
 	if presence.suspect {
 		return PassResult{Suspect: true}, nil
 	}
-	res.MarkedMissing, res.Found = len(presence.missing), len(presence.found)
+	res.MarkedMissing, res.Found, res.Accepted = len(presence.missing), len(presence.found), presence.accepted
 	pr.metrics.machines.WithLabelValues("missing").Add(float64(res.MarkedMissing))
 	pr.metrics.machines.WithLabelValues("found").Add(float64(res.Found))
 	pr.metrics.missing.Set(float64(res.MarkedMissing + (len(known) - presence.present - res.Found)))

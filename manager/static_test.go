@@ -27,10 +27,7 @@ func TestBrokenInventoryChangesNothing(t *testing.T) {
 	db := bmdbtest.New(t)
 	path := filepath.Join(t.TempDir(), "inventory.yaml")
 	// Six machines: dropping one stays below the suspect-listing guard.
-	good := "machines:\n"
-	for i, id := range []string{"a", "b", "c", "d", "e", "f"} {
-		good += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
-	}
+	good := inventoryYAML("a", "b", "c", "d", "e", "f")
 	write := func(s string) {
 		t.Helper()
 		if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
@@ -93,4 +90,72 @@ func TestBrokenInventoryChangesNothing(t *testing.T) {
 	if got := ourIDs(t, db, "lab")["b"]; got != bmdb.ProviderStatusMissing {
 		t.Errorf("b has status %q after leaving the inventory, want Missing", got)
 	}
+}
+
+// TestSmallFleetLosesAMachine removes one machine of a static fleet of four
+// from the inventory: a quarter of the fleet, above the suspect fraction,
+// but a single machine, which a small fleet must be able to lose. Both the
+// updater and the provisioner mark it Missing instead of refusing every
+// listing from then on.
+func TestSmallFleetLosesAMachine(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	inventory := func(ids ...string) {
+		t.Helper()
+		if err := os.WriteFile(path, []byte(inventoryYAML(ids...)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inventory("a", "b", "c", "d")
+	p, err := static.New(static.Config{Name: "lab", Inventory: path, ReloadInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{}, db.DB, p, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, err := manager.NewUpdater(manager.UpdaterConfig{}, db.DB, p, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := bmdbtest.Session(t, db, "manager", time.Minute)
+	if r, err := pr.Pass(t.Context(), s); err != nil || r.Created != 4 {
+		t.Fatalf("first pass %+v, %v; want the 4 machines recorded", r, err)
+	}
+
+	// d leaves the inventory: the updater marks it Missing.
+	inventory("a", "b", "c")
+	if err := p.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := up.Pass(t.Context(), s); err != nil || r.Suspect || r.MarkedMissing != 1 {
+		t.Fatalf("updater pass without d: %+v, %v; want d marked Missing", r, err)
+	}
+	if got := ourIDs(t, db, "lab")["d"]; got != bmdb.ProviderStatusMissing {
+		t.Errorf("d has status %q after the updater's pass, want Missing", got)
+	}
+
+	// c leaves too, one of the three left: the provisioner marks it Missing.
+	inventory("a", "b")
+	if err := p.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := pr.Pass(t.Context(), s); err != nil || r.Suspect || r.MarkedMissing != 1 {
+		t.Fatalf("provisioner pass without c: %+v, %v; want c marked Missing", r, err)
+	}
+	if got := ourIDs(t, db, "lab")["c"]; got != bmdb.ProviderStatusMissing {
+		t.Errorf("c has status %q after the provisioner's pass, want Missing", got)
+	}
+}
+
+// inventoryYAML is a static inventory of machines with these ids, at
+// 192.0.2.1 onwards.
+func inventoryYAML(ids ...string) string {
+	s := "machines:\n"
+	for i, id := range ids {
+		s += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
+	}
+	return s
 }

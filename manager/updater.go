@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net/netip"
 	"sync/atomic"
 	"time"
@@ -41,10 +40,10 @@ type UpdaterConfig struct {
 	// looked at every ChangingPeriod, and a machine that starts changing
 	// (one the provisioner just recorded) ends the wait.
 	StablePeriod time.Duration
-	// SuspectFraction: a listing in which more than this fraction of the
-	// BMDB's machines is missing is not believed, and the pass changes
-	// nothing. Default 0.2.
-	SuspectFraction float64
+	// Listing says when a listing lacks too many of the BMDB's machines to
+	// be believed; the pass then changes nothing. Defaults: more than 20 %
+	// and more than 3 machines.
+	Listing ListingGuard
 	// Lease is the session lease; default bmdb.DefaultLease.
 	Lease time.Duration
 }
@@ -58,8 +57,9 @@ func (c UpdaterConfig) Validate() error {
 		return fmt.Errorf("updater: StablePeriod must be >= 0 (0 = default %s), got %s", defaultStablePeriod, c.StablePeriod)
 	case c.Lease < 0:
 		return fmt.Errorf("updater: Lease must be >= 0 (0 = default), got %s", c.Lease)
-	case c.SuspectFraction < 0 || c.SuspectFraction > 1 || math.IsNaN(c.SuspectFraction):
-		return fmt.Errorf("updater: SuspectFraction must be within [0, 1] (0 = default 0.2), got %v", c.SuspectFraction)
+	}
+	if err := c.Listing.validate("updater"); err != nil {
+		return err
 	}
 	changing, stable := cmp.Or(c.ChangingPeriod, defaultChangingPeriod), cmp.Or(c.StablePeriod, defaultStablePeriod)
 	if changing > stable {
@@ -80,6 +80,7 @@ type Updater struct {
 	p       provider.Provider
 	log     *slog.Logger
 	metrics *updaterMetrics
+	check   *listingCheck
 
 	// describes is false once a listing had machines and none of them
 	// described itself: such a provider never tells a status, so its
@@ -104,7 +105,6 @@ func NewUpdater(cfg UpdaterConfig, db *bmdb.DB, p provider.Provider, reg prometh
 	}
 	cfg.ChangingPeriod = cmp.Or(cfg.ChangingPeriod, defaultChangingPeriod)
 	cfg.StablePeriod = cmp.Or(cfg.StablePeriod, defaultStablePeriod)
-	cfg.SuspectFraction = cmp.Or(cfg.SuspectFraction, 0.2)
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -112,7 +112,7 @@ func NewUpdater(cfg UpdaterConfig, db *bmdb.DB, p provider.Provider, reg prometh
 	m := &updaterMetrics{
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "shepherd_updater_passes_total", ConstLabels: labels,
-			Help: "Updater passes, by result (ok, suspect: the listing was not believed, busy: another process held the lease, error).",
+			Help: "Updater passes, by result (ok, suspect: the listing lacked too many machines to be believed, see shepherd_updater_suspect_listing_missing_machines; busy: another process held the lease; error).",
 		}, []string{"result"}),
 		machines: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "shepherd_updater_machines_total", ConstLabels: labels,
@@ -135,7 +135,11 @@ func NewUpdater(cfg UpdaterConfig, db *bmdb.DB, p provider.Provider, reg prometh
 	for _, a := range []string{"updated", "missing", "found"} {
 		m.machines.WithLabelValues(a)
 	}
-	u := &Updater{cfg: cfg, db: db, p: p, log: log.With("component", "updater", "provider", p.Name()), metrics: m}
+	check, err := newListingCheck("updater", cfg.Listing, labels, reg)
+	if err != nil {
+		return nil, err
+	}
+	u := &Updater{cfg: cfg, db: db, p: p, log: log.With("component", "updater", "provider", p.Name()), metrics: m, check: check}
 	u.describes.Store(true)
 	return u, nil
 }
@@ -197,6 +201,9 @@ func (u *Updater) wait(ctx context.Context, period time.Duration) {
 type UpdateResult struct {
 	Busy    bool // another session held the update lease: nothing done
 	Suspect bool // the listing was not believed: nothing changed
+	// Accepted: the listing lacked too many machines to be believed, but an
+	// operator had accepted it (bmdb.DB.AcceptListing).
+	Accepted bool
 	// Listed is the number of machines in the listing, Known the number of
 	// the provider's machines in the BMDB.
 	Listed, Known int
@@ -278,7 +285,7 @@ func (u *Updater) pass(ctx context.Context, s *bmdb.Session) (UpdateResult, erro
 		u.describes.Store(describes)
 	}
 
-	presence, err := l.reconcilePresence(ctx, s, u.cfg.SuspectFraction, u.log)
+	presence, err := l.reconcilePresence(ctx, s, u.check, u.log)
 	if err != nil {
 		return res, err
 	}
@@ -286,7 +293,7 @@ func (u *Updater) pass(ctx context.Context, s *bmdb.Session) (UpdateResult, erro
 		res.Suspect = true
 		return res, nil
 	}
-	res.MarkedMissing, res.Found = len(presence.missing), len(presence.found)
+	res.MarkedMissing, res.Found, res.Accepted = len(presence.missing), len(presence.found), presence.accepted
 	u.metrics.machines.WithLabelValues("missing").Add(float64(res.MarkedMissing))
 	u.metrics.machines.WithLabelValues("found").Add(float64(res.Found))
 

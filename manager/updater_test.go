@@ -340,8 +340,9 @@ func TestUpdaterPass(t *testing.T) {
 		t.Errorf("missing and found metrics %v and %v, want 1 and 1", machines("missing"), machines("found"))
 	}
 
-	// A listing that lacks 3 of 10 machines (more than 20 %) is not believed:
-	// nothing changes, not even what it says about the machines it has.
+	// A listing that lacks 4 of 10 machines (more than 20 % and more than 3)
+	// is not believed: nothing changes, not even what it says about the
+	// machines it has.
 	before, err := db.ListProvided(t.Context(), "lab")
 	if err != nil {
 		t.Fatal(err)
@@ -350,8 +351,8 @@ func TestUpdaterPass(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	saved := []item{p.get("m0"), p.get("m1"), p.get("m2")}
-	p.remove("m0", "m1", "m2")
+	saved := []item{p.get("m0"), p.get("m1"), p.get("m2"), p.get("m3")}
+	p.remove("m0", "m1", "m2", "m3")
 	m = p.get("m8")
 	m.status = provider.StatusStopped
 	p.set(m)
@@ -375,6 +376,12 @@ func TestUpdaterPass(t *testing.T) {
 	if n := metricValue(t, reg, "shepherd_updater_pass_duration_seconds", "provider", "lab"); n != 7 {
 		t.Errorf("pass durations observed: %v, want 7", n)
 	}
+	suspectGauge := func() float64 {
+		return metricValue(t, reg, "shepherd_updater_suspect_listing_missing_machines", "provider", "lab")
+	}
+	if g := suspectGauge(); g != 4 {
+		t.Errorf("suspect listing gauge %v after a listing lacking 4 machines, want 4", g)
+	}
 
 	// Once the listing is whole again, the change it held back is applied.
 	for _, m := range saved {
@@ -382,6 +389,9 @@ func TestUpdaterPass(t *testing.T) {
 	}
 	if r := pass("pass after the listing recovered"); r.Suspect || r.Updated != 1 {
 		t.Fatalf("pass after the listing recovered %+v, want m8 updated", r)
+	}
+	if g := suspectGauge(); g != 0 {
+		t.Errorf("suspect listing gauge %v after a believed listing, want 0", g)
 	}
 
 	// A failing listing is an error, counted, and changes nothing.

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/netip"
 	"sort"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
@@ -203,6 +204,16 @@ var (
 	ErrRaceLost = errors.New("provider: capacity taken by someone else")
 )
 
+// RequestBudget is the request budget of a provider API account shared by
+// every process that uses the account (the BMDB's, bmdb.RequestBudget):
+// Wait returns when a request may be sent, or an error if ctx ends first
+// or its deadline would pass while waiting; Pause holds every request of
+// the account until d from now (the API answered 429).
+type RequestBudget interface {
+	Wait(ctx context.Context) error
+	Pause(ctx context.Context, d time.Duration) error
+}
+
 // Env is what a provider factory gets from the process that runs it.
 type Env struct {
 	Logger     *slog.Logger
@@ -213,6 +224,12 @@ type Env struct {
 	SSHSigner ssh.Signer
 	// SSHUser is the default SSH user.
 	SSHUser string
+	// RequestBudget, if set, returns the budget that every process shares
+	// for an API account (named so as not to reveal its credentials), at
+	// rate requests a second and burst at once. Providers of metered APIs
+	// take their requests from it; nil means the process is alone with the
+	// account and keeps its budget in memory.
+	RequestBudget func(account string, rate float64, burst int) (RequestBudget, error)
 }
 
 // Factory creates a provider from its configuration: a YAML document whose

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 type DecommissionedMachine struct {
@@ -104,13 +105,24 @@ type Process struct {
 	MachineExclusive bool
 }
 
+type ProviderRequestBudget struct {
+	Account     string
+	Tokens      float64
+	RefilledAt  time.Time
+	PausedUntil time.Time
+}
+
 type ProviderState struct {
-	Provider              string
-	LeaseSessionID        uuid.NullUUID
-	LeaseAcquiredAt       *time.Time
-	UpdateLeaseSessionID  uuid.NullUUID
-	UpdateLeaseAcquiredAt *time.Time
-	UpdateConfirmedAt     *time.Time
+	Provider                string
+	LeaseSessionID          uuid.NullUUID
+	LeaseAcquiredAt         *time.Time
+	UpdateLeaseSessionID    uuid.NullUUID
+	UpdateLeaseAcquiredAt   *time.Time
+	UpdateConfirmedAt       *time.Time
+	ListingAcceptMaxMissing pgtype.Int4
+	ListingAcceptBy         *string
+	ListingAcceptAt         *time.Time
+	ListingAcceptUntil      *time.Time
 }
 
 type Session struct {

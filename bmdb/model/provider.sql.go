@@ -403,6 +403,89 @@ func (q *Queries) ProviderLeaseRelease(ctx context.Context, arg ProviderLeaseRel
 	return err
 }
 
+const providerListingAccept = `-- name: ProviderListingAccept :one
+INSERT INTO provider_state AS ps (provider, listing_accept_max_missing, listing_accept_by, listing_accept_at, listing_accept_until)
+VALUES ($1::text, $2::integer, $3::text, now(),
+        now() + make_interval(secs => $4::float8))
+ON CONFLICT (provider) DO UPDATE
+SET listing_accept_max_missing = EXCLUDED.listing_accept_max_missing,
+    listing_accept_by = EXCLUDED.listing_accept_by,
+    listing_accept_at = EXCLUDED.listing_accept_at,
+    listing_accept_until = EXCLUDED.listing_accept_until
+RETURNING ps.listing_accept_at::timestamptz AS accepted_at, ps.listing_accept_until::timestamptz AS accepted_until
+`
+
+type ProviderListingAcceptParams struct {
+	Provider        string
+	MaxMissing      int32
+	AcceptedBy      string
+	ValidForSeconds float64
+}
+
+type ProviderListingAcceptRow struct {
+	AcceptedAt    time.Time
+	AcceptedUntil time.Time
+}
+
+// ProviderListingAccept records that the next suspect listing of a provider
+// lacking at most max_missing machines is to be believed, until valid_until
+// (database time); it replaces an earlier acceptance.
+func (q *Queries) ProviderListingAccept(ctx context.Context, arg ProviderListingAcceptParams) (ProviderListingAcceptRow, error) {
+	row := q.db.QueryRow(ctx, providerListingAccept,
+		arg.Provider,
+		arg.MaxMissing,
+		arg.AcceptedBy,
+		arg.ValidForSeconds,
+	)
+	var i ProviderListingAcceptRow
+	err := row.Scan(&i.AcceptedAt, &i.AcceptedUntil)
+	return i, err
+}
+
+const providerListingAcceptanceTake = `-- name: ProviderListingAcceptanceTake :one
+WITH taken AS (
+    SELECT s.provider, s.listing_accept_max_missing, s.listing_accept_by, s.listing_accept_at, s.listing_accept_until
+    FROM provider_state s
+    WHERE s.provider = $1::text AND s.listing_accept_max_missing >= $2::integer
+      AND s.listing_accept_until > now()
+    FOR UPDATE
+)
+UPDATE provider_state ps
+SET listing_accept_max_missing = NULL, listing_accept_by = NULL, listing_accept_at = NULL, listing_accept_until = NULL
+FROM taken
+WHERE ps.provider = taken.provider
+RETURNING taken.listing_accept_max_missing::integer AS max_missing, taken.listing_accept_by::text AS accepted_by,
+          taken.listing_accept_at::timestamptz AS accepted_at, taken.listing_accept_until::timestamptz AS accepted_until
+`
+
+type ProviderListingAcceptanceTakeParams struct {
+	Provider string
+	Missing  int32
+}
+
+type ProviderListingAcceptanceTakeRow struct {
+	MaxMissing    int32
+	AcceptedBy    string
+	AcceptedAt    time.Time
+	AcceptedUntil time.Time
+}
+
+// ProviderListingAcceptanceTake takes the provider's acceptance if it
+// covers a listing lacking `missing` machines and has not lapsed: it clears
+// it (one suspect listing per acceptance) and returns what it said. No row:
+// no such acceptance.
+func (q *Queries) ProviderListingAcceptanceTake(ctx context.Context, arg ProviderListingAcceptanceTakeParams) (ProviderListingAcceptanceTakeRow, error) {
+	row := q.db.QueryRow(ctx, providerListingAcceptanceTake, arg.Provider, arg.Missing)
+	var i ProviderListingAcceptanceTakeRow
+	err := row.Scan(
+		&i.MaxMissing,
+		&i.AcceptedBy,
+		&i.AcceptedAt,
+		&i.AcceptedUntil,
+	)
+	return i, err
+}
+
 const providerStateLock = `-- name: ProviderStateLock :exec
 INSERT INTO provider_state (provider) VALUES ($1)
 ON CONFLICT (provider) DO UPDATE SET provider = EXCLUDED.provider

@@ -195,3 +195,36 @@ DELETE FROM machine_ssh_host_key WHERE machine_id = @machine_id AND NOT pinned;
 
 -- name: MachineByProviderID :one
 SELECT machine_id FROM machine_provided WHERE provider = @provider AND provider_id = @provider_id;
+
+-- name: ProviderListingAccept :one
+-- ProviderListingAccept records that the next suspect listing of a provider
+-- lacking at most max_missing machines is to be believed, until valid_until
+-- (database time); it replaces an earlier acceptance.
+INSERT INTO provider_state AS ps (provider, listing_accept_max_missing, listing_accept_by, listing_accept_at, listing_accept_until)
+VALUES (@provider::text, @max_missing::integer, @accepted_by::text, now(),
+        now() + make_interval(secs => @valid_for_seconds::float8))
+ON CONFLICT (provider) DO UPDATE
+SET listing_accept_max_missing = EXCLUDED.listing_accept_max_missing,
+    listing_accept_by = EXCLUDED.listing_accept_by,
+    listing_accept_at = EXCLUDED.listing_accept_at,
+    listing_accept_until = EXCLUDED.listing_accept_until
+RETURNING ps.listing_accept_at::timestamptz AS accepted_at, ps.listing_accept_until::timestamptz AS accepted_until;
+
+-- name: ProviderListingAcceptanceTake :one
+-- ProviderListingAcceptanceTake takes the provider's acceptance if it
+-- covers a listing lacking `missing` machines and has not lapsed: it clears
+-- it (one suspect listing per acceptance) and returns what it said. No row:
+-- no such acceptance.
+WITH taken AS (
+    SELECT s.provider, s.listing_accept_max_missing, s.listing_accept_by, s.listing_accept_at, s.listing_accept_until
+    FROM provider_state s
+    WHERE s.provider = @provider::text AND s.listing_accept_max_missing >= @missing::integer
+      AND s.listing_accept_until > now()
+    FOR UPDATE
+)
+UPDATE provider_state ps
+SET listing_accept_max_missing = NULL, listing_accept_by = NULL, listing_accept_at = NULL, listing_accept_until = NULL
+FROM taken
+WHERE ps.provider = taken.provider
+RETURNING taken.listing_accept_max_missing::integer AS max_missing, taken.listing_accept_by::text AS accepted_by,
+          taken.listing_accept_at::timestamptz AS accepted_at, taken.listing_accept_until::timestamptz AS accepted_until;

@@ -98,6 +98,8 @@ func devEquinixFactory(machines int, simYAML string) provider.Factory {
 		client, err := metal.New(metal.Config{
 			BaseURL: "http://" + d.ln.Addr().String() + "/metal/v1", Token: token,
 			RequestsPerSecond: 80, Burst: 40, Logger: env.Logger, Registerer: env.Registerer,
+			// The BMDB's budget, as in production, though dev is one process.
+			SharedBudget: equinix.SharedBudget(env.RequestBudget),
 		})
 		if err == nil {
 			d.Provider, err = equinix.New(ctx, equinix.Config{

@@ -11,36 +11,61 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider/equinix"
 	"github.com/shepherd/shepherd/provider/equinix/metal"
 )
 
 // equinixCLI is what every `shepherd equinix` command shares: the provider
 // configuration file (the one `shepherd run --provider equinix` reads, so
-// the CLI keeps the same request budget and sees the same project) and the
-// confirmation switch of destructive commands.
+// the CLI sees the same project with the same token), the BMDB whose
+// request budget the fleet's processes share, and the confirmation switch
+// of destructive commands.
 type equinixCLI struct {
 	configPath string
+	db         databaseFlags
 	yes        bool
+	// stdin reads the answers to questions; one reader for all of them, so
+	// that none reads ahead into the next one's answer.
+	stdin *bufio.Reader
 }
 
-func (e *equinixCLI) open() (*metal.Client, equinix.Config, error) {
+// open reads the configuration and returns a client of its account, and
+// what to call when done with it. With a database (--database-url or
+// SHEPHERD_DATABASE_URL) the client takes its requests from the budget the
+// fleet's processes share in the BMDB, so that the CLI cannot push the
+// account over its limit while they run; without one it has a budget of
+// its own, which is right only while nothing else uses the account. A
+// database that is named but cannot be opened is an error, not a reason to
+// fall back.
+func (e *equinixCLI) open(ctx context.Context) (*metal.Client, equinix.Config, func(), error) {
 	if e.configPath == "" {
-		return nil, equinix.Config{}, errors.New("--config is required: the equinix provider's YAML configuration")
+		return nil, equinix.Config{}, nil, errors.New("--config is required: the equinix provider's YAML configuration")
 	}
 	data, err := os.ReadFile(e.configPath)
 	if err != nil {
-		return nil, equinix.Config{}, err
+		return nil, equinix.Config{}, nil, err
 	}
 	fc, err := equinix.ParseConfig(data, nil)
 	if err != nil {
-		return nil, equinix.Config{}, fmt.Errorf("%s: %w", e.configPath, err)
+		return nil, equinix.Config{}, nil, fmt.Errorf("%s: %w", e.configPath, err)
+	}
+	done := func() {}
+	if e.db.configured() {
+		db, err := e.db.open(ctx, bmdb.SchemaRequireCurrent)
+		if err != nil {
+			return nil, equinix.Config{}, nil, fmt.Errorf("opening the BMDB for the shared request budget: %w", err)
+		}
+		fc.Client.SharedBudget = equinix.SharedBudget(manager.RequestBudgets(db))
+		done = db.Close
 	}
 	c, err := metal.New(fc.Client)
 	if err != nil {
-		return nil, equinix.Config{}, err
+		done()
+		return nil, equinix.Config{}, nil, err
 	}
-	return c, fc.Provider, nil
+	return c, fc.Provider, func() { c.CloseIdleConnections(); done() }, nil
 }
 
 // confirm asks before a destructive action unless --yes was given.
@@ -49,11 +74,69 @@ func (e *equinixCLI) confirm(cmd *cobra.Command, what string) error {
 		return nil
 	}
 	fmt.Fprintf(cmd.ErrOrStderr(), "%s\nProceed? [y/N] ", what)
-	line, _ := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
-	if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+	if a := strings.ToLower(e.answer(cmd)); a != "y" && a != "yes" {
 		return errors.New("not confirmed; nothing changed (pass --yes to skip the question)")
 	}
 	return nil
+}
+
+// answer reads one line of the operator's answer, trimmed; "" at the end
+// of the input.
+func (e *equinixCLI) answer(cmd *cobra.Command) string {
+	if e.stdin == nil {
+		e.stdin = bufio.NewReader(cmd.InOrStdin())
+	}
+	line, _ := e.stdin.ReadString('\n')
+	return strings.TrimSpace(line)
+}
+
+// deleteDevices deletes the devices named. Each is looked up first: one
+// that is not Shepherd's (equinix.Config.Ours) is deleted only with
+// includeForeign and once the operator has typed its hostname, --yes or
+// not, since a wrong id there deletes someone else's server. Otherwise
+// nothing at all is deleted. A device whose lookup failed is reported as
+// failed and not deleted.
+func (e *equinixCLI) deleteDevices(cmd *cobra.Command, ids []string, includeForeign bool) error {
+	c, cfg, done, err := e.open(cmd.Context())
+	if err != nil {
+		return err
+	}
+	defer done()
+	lookups := make(map[string]error, len(ids))
+	var foreign []metal.Device
+	for _, id := range ids {
+		d, err := c.GetDevice(cmd.Context(), id)
+		switch {
+		case err != nil:
+			lookups[id] = fmt.Errorf("looking the device up: %w", err)
+		case !cfg.Ours(d):
+			foreign = append(foreign, d)
+		}
+	}
+	if len(foreign) > 0 && !includeForeign {
+		names := make([]string, len(foreign))
+		for i, d := range foreign {
+			names[i] = fmt.Sprintf("%s (%s)", d.ID, d.Hostname)
+		}
+		return fmt.Errorf("not Shepherd's (hostname without the prefix %q): %s; nothing deleted. "+
+			"To delete them anyway, add --include-foreign and type each one's hostname when asked",
+			cfg.HostnamePrefix(), strings.Join(names, ", "))
+	}
+	for _, d := range foreign {
+		fmt.Fprintf(cmd.ErrOrStderr(), "Device %s is not Shepherd's. Type its hostname (%s) to delete it: ", d.ID, d.Hostname)
+		if e.answer(cmd) != d.Hostname {
+			return fmt.Errorf("the hostname of device %s was not typed; nothing deleted", d.ID)
+		}
+	}
+	if err := e.confirm(cmd, fmt.Sprintf("delete %d device(s): %s?", len(ids), strings.Join(ids, ", "))); err != nil {
+		return err
+	}
+	return bulk(cmd, "delete", ids, func(ctx context.Context, id string) error {
+		if err := lookups[id]; err != nil {
+			return err
+		}
+		return c.DeleteDevice(ctx, id)
+	})
 }
 
 // bulk runs fn for every id, printing progress, and reports how many
@@ -84,9 +167,12 @@ func newEquinixCommand() *cobra.Command {
 		Use:   "equinix",
 		Short: "Operate on the Equinix Metal project of the equinix provider",
 		Long: "Lists and acts on the devices and hardware reservations of the project named in the\n" +
-			"equinix provider's configuration (--config), with its token and request budget.",
+			"equinix provider's configuration (--config), with its token and request budget. Given the\n" +
+			"BMDB (--database-url or SHEPHERD_DATABASE_URL), it takes its requests from the budget every\n" +
+			"process of the fleet shares; without it, from a budget of its own.",
 	}
 	cmd.PersistentFlags().StringVar(&e.configPath, "config", "", "the equinix provider's YAML configuration (required)")
+	e.db.bind(cmd)
 	cmd.PersistentFlags().BoolVarP(&e.yes, "yes", "y", false, "do not ask before destructive actions")
 
 	devices := &cobra.Command{Use: "devices", Short: "List, delete and reboot devices"}
@@ -95,17 +181,14 @@ func newEquinixCommand() *cobra.Command {
 		Short: "List the project's devices (ours are those with the provider's hostname prefix)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, cfg, err := e.open()
+			c, cfg, done, err := e.open(cmd.Context())
 			if err != nil {
 				return err
 			}
+			defer done()
 			ds, err := c.ListDevices(cmd.Context(), cfg.Project)
 			if err != nil {
 				return err
-			}
-			prefix := cfg.Prefix
-			if prefix == "" {
-				prefix = "shepherd-"
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "ID\tHOSTNAME\tSTATE\tOURS\tIP\tRESERVATION\tMETRO")
@@ -119,7 +202,7 @@ func newEquinixCommand() *cobra.Command {
 				if ip.IsValid() {
 					ipText = ip.String()
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%s\t%s\t%s\n", d.ID, d.Hostname, d.State, strings.HasPrefix(d.Hostname, prefix), ipText, res, d.Metro.Code)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%v\t%s\t%s\t%s\n", d.ID, d.Hostname, d.State, cfg.Ours(d), ipText, res, d.Metro.Code)
 			}
 			return w.Flush()
 		},
@@ -131,10 +214,11 @@ func newEquinixCommand() *cobra.Command {
 			Short: short,
 			Args:  cobra.MinimumNArgs(1),
 			RunE: func(cmd *cobra.Command, ids []string) error {
-				c, _, err := e.open()
+				c, _, done, err := e.open(cmd.Context())
 				if err != nil {
 					return err
 				}
+				defer done()
 				if err := e.confirm(cmd, fmt.Sprintf("%s %d device(s): %s?", verb, len(ids), strings.Join(ids, ", "))); err != nil {
 					return err
 				}
@@ -142,9 +226,20 @@ func newEquinixCommand() *cobra.Command {
 			},
 		}
 	}
+	var includeForeign bool
+	deleteCmd := &cobra.Command{
+		Use:   "delete ID...",
+		Short: "Delete devices (their reservations become free capacity)",
+		Long: "Deletes the devices named. A device that is not Shepherd's (its hostname lacks the\n" +
+			"provider's prefix) is refused, --yes or not, and then nothing is deleted; with\n" +
+			"--include-foreign it is deleted once its hostname has been typed when asked.",
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, ids []string) error { return e.deleteDevices(cmd, ids, includeForeign) },
+	}
+	deleteCmd.Flags().BoolVar(&includeForeign, "include-foreign", false,
+		"also delete devices that are not Shepherd's, each once its hostname is typed (--yes does not skip that)")
 	devices.AddCommand(
-		deviceAction("delete", "Delete devices (their reservations become free capacity)",
-			func(c *metal.Client) func(context.Context, string) error { return c.DeleteDevice }),
+		deleteCmd,
 		deviceAction("reboot", "Reboot devices",
 			func(c *metal.Client) func(context.Context, string) error { return c.RebootDevice }),
 	)
@@ -155,10 +250,11 @@ func newEquinixCommand() *cobra.Command {
 		Short: "List the project's hardware reservations",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, cfg, err := e.open()
+			c, cfg, done, err := e.open(cmd.Context())
 			if err != nil {
 				return err
 			}
+			defer done()
 			rs, err := c.ListHardwareReservations(cmd.Context(), cfg.Project)
 			if err != nil {
 				return err
@@ -184,10 +280,11 @@ func newEquinixCommand() *cobra.Command {
 			if moveTo == "" {
 				return errors.New("--to is required: the project to move the reservations to")
 			}
-			c, _, err := e.open()
+			c, _, done, err := e.open(cmd.Context())
 			if err != nil {
 				return err
 			}
+			defer done()
 			if err := e.confirm(cmd, fmt.Sprintf("Move %d reservation(s) to project %s?", len(ids), moveTo)); err != nil {
 				return err
 			}
@@ -216,10 +313,11 @@ func newEquinixCommand() *cobra.Command {
 			if yoinkCount < 0 {
 				return fmt.Errorf("--count must be >= 0, got %d", yoinkCount)
 			}
-			c, cfg, err := e.open()
+			c, cfg, done, err := e.open(cmd.Context())
 			if err != nil {
 				return err
 			}
+			defer done()
 			if yoinkFrom == cfg.Project {
 				return fmt.Errorf("--from %s is the configured project already", yoinkFrom)
 			}

@@ -9,7 +9,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
+	"github.com/shepherd/shepherd/provider/equinix/metal"
 )
 
 // runIn runs the shepherd command with stdin.
@@ -25,38 +27,73 @@ func runIn(t *testing.T, stdin string, args ...string) (string, error) {
 	return out.String(), err
 }
 
-func TestEquinixCLI(t *testing.T) {
-	t.Parallel()
-	const token = "cli-token-never-printed"
-	fake, err := fakemetal.New(fakemetal.Config{Token: token, Budget: 50, Burst: 10})
+// cliToken is the API token of the CLI tests' fake account.
+const cliToken = "cli-token-never-printed"
+
+// equinixCLIFixture is a fake Metal account (project "ours") behind real
+// HTTP and an equinix provider configuration for it.
+type equinixCLIFixture struct {
+	fake   *fakemetal.Server
+	apiURL string // the API's base URL
+	config string // the configuration file
+	all    strings.Builder
+}
+
+// newEquinixCLIFixture starts a fake account with cfg (its token set) and
+// writes a configuration for it, with more YAML appended.
+func newEquinixCLIFixture(t *testing.T, cfg fakemetal.Config, more string) *equinixCLIFixture {
+	t.Helper()
+	cfg.Token = cliToken
+	fake, err := fakemetal.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	fake.AddProject("ours")
+	srv := httptest.NewServer(fake)
+	t.Cleanup(srv.Close)
+	f := &equinixCLIFixture{fake: fake, apiURL: srv.URL + "/metal/v1"}
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	f.config = filepath.Join(dir, "equinix.yaml")
+	if err := os.WriteFile(tokenFile, []byte(cliToken), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	yaml := fmt.Sprintf("project: ours\napi_url: %s\ntoken_file: %s\noperating_system: ubuntu_22_04\n%s", f.apiURL, tokenFile, more)
+	if err := os.WriteFile(f.config, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if strings.Contains(f.all.String(), cliToken) {
+			t.Error("the API token appears in the CLI's output")
+		}
+	})
+	return f
+}
+
+// cli runs `shepherd equinix --config FILE args...` with stdin, and keeps
+// its output and error to look for the token in.
+func (f *equinixCLIFixture) cli(t *testing.T, stdin string, args ...string) (string, error) {
+	t.Helper()
+	out, err := runIn(t, stdin, append([]string{"equinix", "--config", f.config}, args...)...)
+	f.all.WriteString(out)
+	if err != nil {
+		f.all.WriteString(err.Error())
+	}
+	return out, err
+}
+
+func TestEquinixCLI(t *testing.T) {
+	t.Parallel()
+	f := newEquinixCLIFixture(t, fakemetal.Config{Budget: 50, Burst: 10}, "")
+	fake := f.fake
 	fake.AddProject("spare")
 	res := fake.AddReservations("ours", "c3.small.x86", "fr2", "fr", 2)
 	fake.AddReservations("spare", "c3.small.x86", "fr2", "fr", 3)
 	dev := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active", ReservationID: res[0]})
 	fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-1", State: "active"})
-	srv := httptest.NewServer(fake)
-	t.Cleanup(srv.Close)
-	dir := t.TempDir()
-	tokenFile, cfg := filepath.Join(dir, "token"), filepath.Join(dir, "equinix.yaml")
-	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(cfg, fmt.Appendf(nil, "project: ours\napi_url: %s/metal/v1\ntoken_file: %s\noperating_system: ubuntu_22_04\n", srv.URL, tokenFile), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	var all strings.Builder
 	cli := func(stdin string, args ...string) (string, error) {
 		t.Helper()
-		out, err := runIn(t, stdin, append([]string{"equinix", "--config", cfg}, args...)...)
-		all.WriteString(out)
-		if err != nil {
-			all.WriteString(err.Error())
-		}
-		return out, err
+		return f.cli(t, stdin, args...)
 	}
 
 	out, err := cli("", "devices", "list")
@@ -113,13 +150,89 @@ func TestEquinixCLI(t *testing.T) {
 		t.Errorf("the spare project has %d reservations, want 2", got)
 	}
 
-	if strings.Contains(all.String(), token) {
-		t.Error("the API token appears in the CLI's output")
-	}
 	if v := fake.Check(); len(v) > 0 {
 		t.Errorf("the CLI broke the API's rate limit: %v", v)
 	}
 	if _, err := runIn(t, "", "equinix", "devices", "list"); err == nil || !strings.Contains(err.Error(), "--config is required") {
 		t.Errorf("without --config: %v", err)
+	}
+}
+
+// TestEquinixCLIDeleteForeign: `devices delete` refuses devices that are
+// not Shepherd's (hostname without the provider's prefix), also with --yes,
+// and deletes nothing then; --include-foreign deletes them only once the
+// operator has typed each one's hostname.
+func TestEquinixCLIDeleteForeign(t *testing.T) {
+	t.Parallel()
+	f := newEquinixCLIFixture(t, fakemetal.Config{}, "")
+	fake := f.fake
+	ours := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active"})
+	db1 := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-1", State: "active"})
+	db2 := fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "db-2", State: "active"})
+	cli := func(stdin string, args ...string) (string, error) {
+		t.Helper()
+		return f.cli(t, stdin, args...)
+	}
+	exists := func(id string) bool {
+		_, ok := fake.Device(id)
+		return ok
+	}
+
+	// --yes is not enough for a foreign device, alone or among ours.
+	for _, ids := range [][]string{{db1}, {ours, db1}} {
+		_, err := cli("", append([]string{"--yes", "devices", "delete"}, ids...)...)
+		if err == nil || !strings.Contains(err.Error(), "not Shepherd's") || !strings.Contains(err.Error(), "--include-foreign") || !strings.Contains(err.Error(), "db-1") {
+			t.Errorf("delete %v with --yes: %v, want a refusal naming db-1 and --include-foreign", ids, err)
+		}
+		if !exists(db1) || !exists(ours) {
+			t.Fatalf("delete %v with --yes deleted a device after refusing", ids)
+		}
+	}
+	// --include-foreign asks for the hostname, even with --yes; a wrong
+	// answer deletes nothing.
+	if _, err := cli("db-2\n", "--yes", "devices", "delete", "--include-foreign", db1); err == nil || !strings.Contains(err.Error(), "nothing deleted") {
+		t.Errorf("delete with the wrong hostname typed: %v, want a refusal", err)
+	}
+	if _, err := cli("", "--yes", "devices", "delete", "--include-foreign", db1); err == nil {
+		t.Error("delete with no hostname typed succeeded")
+	}
+	if !exists(db1) {
+		t.Fatal("a foreign device was deleted without its hostname typed")
+	}
+	// Both hostnames typed, then the usual question answered.
+	out, err := cli("db-1\ndb-2\ny\n", "devices", "delete", "--include-foreign", db1, ours, db2)
+	if err != nil || strings.Count(out, ": ok") != 3 {
+		t.Fatalf("delete with both hostnames typed and confirmed: %v\n%s", err, out)
+	}
+	for _, id := range []string{db1, db2, ours} {
+		if exists(id) {
+			t.Errorf("device %s still exists after a confirmed delete", id)
+		}
+	}
+}
+
+// TestEquinixCLISharedBudget: given the BMDB, the CLI takes its requests
+// from the budget the fleet's processes share there, under a name that
+// does not show the token; a BMDB that cannot be opened is an error, not a
+// silent budget of its own.
+func TestEquinixCLISharedBudget(t *testing.T) {
+	t.Parallel()
+	f := newEquinixCLIFixture(t, fakemetal.Config{}, "burst: 7\n")
+	f.fake.AddDevice("ours", fakemetal.DeviceSpec{Hostname: "shepherd-a1", State: "active"})
+	db := bmdbtest.New(t)
+	out, err := f.cli(t, "", "--database-url", db.URL, "devices", "list")
+	if err != nil || !strings.Contains(out, "shepherd-a1") {
+		t.Fatalf("devices list with the BMDB: %v\n%s", err, out)
+	}
+	account := metal.Config{BaseURL: f.apiURL, Token: cliToken}.Account()
+	if strings.Contains(account, cliToken) {
+		t.Fatalf("the budget's account name %q shows the token", account)
+	}
+	// One request taken from the burst of 7 (plus what refilled since).
+	if n := bmdbtest.Scalar[float64](t, db, "SELECT tokens FROM provider_request_budgets WHERE account = $1", account); n > 6.5 {
+		t.Errorf("the shared budget holds %v tokens after one request from a burst of 7", n)
+	}
+	if _, err := f.cli(t, "", "--database-url", "postgres://nobody@127.0.0.1:1/none?connect_timeout=2", "devices", "list"); err == nil || !strings.Contains(err.Error(), "shared request budget") {
+		t.Errorf("devices list with a BMDB that cannot be opened: %v, want an error", err)
 	}
 }

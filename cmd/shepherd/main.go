@@ -3,6 +3,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -83,7 +84,7 @@ func newRootCommand() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newRunCommand(), newDevCommand(), newMigrateCommand(), newInstallCommand(), newEquinixCommand(), newVersionCommand())
-	root.AddCommand(newMachineCommand(), newSessionCommand())
+	root.AddCommand(newMachineCommand(), newSessionCommand(), newProviderCommand())
 	return root
 }
 
@@ -98,6 +99,14 @@ func (f *databaseFlags) bind(cmd *cobra.Command) {
 		"PostgreSQL connection URL of the BMDB (default $SHEPHERD_DATABASE_URL)")
 }
 
+// resolvedURL is the database URL of the flag, else of the environment.
+func (f *databaseFlags) resolvedURL() string {
+	return cmp.Or(f.url, os.Getenv("SHEPHERD_DATABASE_URL"))
+}
+
+// configured reports whether a database is named, by flag or environment.
+func (f *databaseFlags) configured() bool { return f.resolvedURL() != "" }
+
 // open opens the configured BMDB, or says how to configure one.
 func (f *databaseFlags) open(ctx context.Context, schema bmdb.SchemaPolicy) (*bmdb.DB, error) {
 	return f.openConfig(ctx, bmdb.Config{Schema: schema})
@@ -105,10 +114,7 @@ func (f *databaseFlags) open(ctx context.Context, schema bmdb.SchemaPolicy) (*bm
 
 // openConfig opens the configured BMDB with cfg's other settings.
 func (f *databaseFlags) openConfig(ctx context.Context, cfg bmdb.Config) (*bmdb.DB, error) {
-	cfg.URL = f.url
-	if cfg.URL == "" {
-		cfg.URL = os.Getenv("SHEPHERD_DATABASE_URL")
-	}
+	cfg.URL = f.resolvedURL()
 	if cfg.URL == "" {
 		return nil, errors.New("no database: pass --database-url or set SHEPHERD_DATABASE_URL")
 	}

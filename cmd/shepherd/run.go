@@ -89,7 +89,14 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.IntVar(&pr.ChunkSize, "chunk-size", 50, "provisioner: machines created per pass")
 	pr.CreateLimit = manager.DefaultLimit()
 	fl.Var(&pr.CreateLimit, "create-limit", "provisioner: creation rate as duration,burst")
-	fl.Float64Var(&pr.SuspectFraction, "suspect-fraction", 0.2, "provisioner and updater: ignore a listing that lacks more than this fraction of known machines")
+	// Pointers, set whether or not the flags are given: their defaults are
+	// the manager's, and 0 is a value of its own (ListingGuard).
+	cfg.Listing = manager.ListingGuard{Fraction: new(float64), MinMissing: new(int)}
+	fl.Float64Var(cfg.Listing.Fraction, "suspect-fraction", manager.DefaultSuspectFraction,
+		"provisioner and updater: ignore a listing that lacks more than this fraction of the known machines "+
+			"and more than --suspect-min-missing of them (0: any listing lacking more than the minimum; 1: believe every listing)")
+	fl.IntVar(cfg.Listing.MinMissing, "suspect-min-missing", manager.DefaultSuspectMinMissing,
+		"provisioner and updater: a listing that lacks at most this many known machines is believed whatever the fraction")
 
 	up := &cfg.Updater
 	fl.DurationVar(&up.ChangingPeriod, "updater-changing-period", 10*time.Second, "updater: time between passes while a machine is provisioning")

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 )
 
@@ -56,12 +58,7 @@ func TestRunRejectsUnknownComponent(t *testing.T) {
 // in its metrics.
 func TestRunUpdater(t *testing.T) {
 	db := bmdbtest.New(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	metricsAddr := ln.Addr().String()
-	ln.Close()
+	metricsAddr := freeAddr(t)
 	dataDir := t.TempDir()
 	simConfig := filepath.Join(dataDir, "sim.yaml")
 	if err := os.WriteFile(simConfig, []byte("machines: 5\n"), 0o600); err != nil {
@@ -77,7 +74,6 @@ func TestRunUpdater(t *testing.T) {
 			"--updater-changing-period", "50ms", "--updater-stable-period", "100ms"})
 		done <- cmd.ExecuteContext(ctx)
 	}()
-	okPasses := regexp.MustCompile(`(?m)^shepherd_updater_passes_total\{provider="sim",result="ok"\} (\S+)$`)
 	bmdbtest.WaitFor(t, 30*time.Second, "updater passes over the simulated fleet", func(ctx context.Context) (bool, error) {
 		select {
 		case err := <-done:
@@ -88,29 +84,116 @@ func TestRunUpdater(t *testing.T) {
 		if err != nil || len(refs) != 5 {
 			return false, err
 		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+metricsAddr+"/metrics", nil)
-		if err != nil {
-			return false, err
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return false, err
-		}
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return false, err
-		}
-		m := okPasses.FindSubmatch(body)
-		if m == nil {
-			return false, nil
-		}
-		n, err := strconv.ParseFloat(string(m[1]), 64)
 		// Passes after the fleet was recorded, at the short periods.
+		n, err := scrapeMetric(ctx, metricsAddr, `shepherd_updater_passes_total{provider="sim",result="ok"}`)
 		return n >= 5, err
 	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("shepherd run: %v", err)
+	}
+}
+
+// scrapeMetric reads /metrics at addr and returns the value of the series
+// written exactly as series (name{labels}); 0 if it is not there yet.
+func scrapeMetric(ctx context.Context, addr, series string) (float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
+	if m == nil {
+		return 0, nil
+	}
+	return strconv.ParseFloat(string(m[1]), 64)
+}
+
+// freeAddr returns a loopback address with a port that was free a moment
+// ago, for a listener the command under test opens itself.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// TestRunSuspectFractionZero runs the provisioner with --suspect-fraction 0
+// over a static inventory that lacks 4 of the BMDB's 20 machines. 0 is a
+// fraction of its own, not "the default": every listing that lacks more
+// machines than the minimum (3) is suspect, so nothing is marked Missing.
+// At the default 0.2 the same listing would be believed.
+func TestRunSuspectFractionZero(t *testing.T) {
+	db := bmdbtest.New(t)
+	dir := t.TempDir()
+	s := bmdbtest.Session(t, db, "setup", time.Minute)
+	inventory := "machines:\n"
+	err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		for i := range 20 {
+			id := fmt.Sprintf("m%02d", i)
+			if _, err := tx.AddMachine(ctx, bmdb.Provided{Provider: "lab", ProviderID: id, Status: bmdb.ProviderStatusRunning}); err != nil {
+				return err
+			}
+			if i >= 4 {
+				inventory += fmt.Sprintf("  - id: %s\n    address: 192.0.2.%d\n", id, i+1)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	invPath, cfgPath := filepath.Join(dir, "inventory.yaml"), filepath.Join(dir, "static.yaml")
+	for name, data := range map[string]string{invPath: inventory, cfgPath: "name: lab\ninventory: " + invPath + "\n"} {
+		if err := os.WriteFile(name, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	metricsAddr := freeAddr(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		cmd := newRootCommand()
+		cmd.SetArgs([]string{"run", "--components=provisioner", "--database-url", db.URL,
+			"--data-dir", dir, "--provider", "static", "--provider-config", cfgPath,
+			"--metrics-listen", metricsAddr, "--log-level", "error", "--provisioner-period", "50ms",
+			"--suspect-fraction", "0"})
+		done <- cmd.ExecuteContext(ctx)
+	}()
+	const passes = `shepherd_provisioner_passes_total{provider="lab",result="%s"}`
+	var suspect float64
+	bmdbtest.WaitFor(t, 30*time.Second, "a provisioner pass", func(ctx context.Context) (bool, error) {
+		select {
+		case err := <-done:
+			t.Fatalf("shepherd run stopped: %v", err)
+		default:
+		}
+		ok, err := scrapeMetric(ctx, metricsAddr, fmt.Sprintf(passes, "ok"))
+		if err != nil {
+			return false, err
+		}
+		suspect, err = scrapeMetric(ctx, metricsAddr, fmt.Sprintf(passes, "suspect"))
+		return ok+suspect > 0, err
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("shepherd run: %v", err)
+	}
+	if suspect == 0 {
+		t.Error("no provisioner pass found the listing suspect with --suspect-fraction 0")
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_provided WHERE provider_status = 'Missing'"); n != 0 {
+		t.Errorf("%d machines marked Missing from a listing --suspect-fraction 0 should not believe", n)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -80,6 +81,10 @@ type stackConfig struct {
 
 	Initializer manager.InitializerConfig
 	Recoverer   manager.RecovererConfig
+	// Listing judges listings for the provisioner and the updater both
+	// (--suspect-fraction, --suspect-min-missing): their Listing fields are
+	// set from it.
+	Listing     manager.ListingGuard
 	Provisioner manager.ProvisionerConfig
 	Updater     manager.UpdaterConfig
 	// Janitor's heartbeat timeouts default to the recoverer's, so that the
@@ -140,18 +145,86 @@ func parseComponents(list []string) ([]string, error) {
 
 // run builds the configured components and runs them until ctx ends or one
 // fails; then it stops them all and returns.
+//
+// Every component is built (configuration checked, provider created,
+// listeners opened) before any of them runs: a start-up error, however
+// late, returns with nothing started, no session opened in the BMDB and
+// every listener closed again. Starting some components and then failing
+// would leave them running (or, stopped, would have let a provisioner make
+// machines for a process that never came up).
 func (s *stack) run(ctx context.Context, ready func(*stack)) error {
+	var b parts
+	defer b.close()
+	if err := s.build(ctx, &b); err != nil {
+		b.abandon()
+		return err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	for _, c := range b.components {
+		g.Go(func() error { return named(c.name, c.run(gctx)) })
+	}
+	if ready != nil {
+		ready(s)
+	}
+	err := g.Wait()
+	if err != nil && ctx.Err() == nil {
+		return err
+	}
+	return nil
+}
+
+// parts are the stack's components, built and not yet running.
+type parts struct {
+	components []component
+	// abandonFns release what built components hold (their listeners) when
+	// they will never run; a running component releases it itself.
+	abandonFns []func()
+	// closeFns run once the stack is done, whether it ran or not.
+	closeFns []func()
+}
+
+// component is one long-running part of the stack: run blocks until ctx
+// ends, cleans up and returns nil, or returns the error that stopped it.
+type component struct {
+	name string
+	run  func(ctx context.Context) error
+}
+
+func (b *parts) add(name string, run func(ctx context.Context) error) {
+	b.components = append(b.components, component{name, run})
+}
+
+// onAbandon registers fn to release a resource if the stack never runs.
+func (b *parts) onAbandon(fn func()) { b.abandonFns = append(b.abandonFns, fn) }
+
+// onClose registers fn to run when the stack is done.
+func (b *parts) onClose(fn func()) { b.closeFns = append(b.closeFns, fn) }
+
+func (b *parts) abandon() {
+	for i := len(b.abandonFns) - 1; i >= 0; i-- {
+		b.abandonFns[i]()
+	}
+}
+
+func (b *parts) close() {
+	for i := len(b.closeFns) - 1; i >= 0; i-- {
+		b.closeFns[i]()
+	}
+}
+
+// build builds the configured components into b, in the order they
+// depend on each other, and starts none of them.
+func (s *stack) build(ctx context.Context, b *parts) error {
 	cfg := s.cfg
 	has := func(c string) bool { return slices.Contains(cfg.Components, c) }
-	g, gctx := errgroup.WithContext(ctx)
 
 	if cfg.MetricsListen != "" {
-		if err := s.serveMetrics(gctx, g); err != nil {
+		if err := s.buildMetrics(b); err != nil {
 			return err
 		}
 	}
 	if cfg.Web.Listen != "" {
-		if err := s.serveWeb(gctx, g); err != nil {
+		if err := s.buildWeb(b); err != nil {
 			return err
 		}
 	}
@@ -168,8 +241,15 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		if err != nil {
 			return err
 		}
+		// The server has no Close: Run with a done context is how it
+		// closes the listener Listen opened.
+		b.onAbandon(func() {
+			done, cancel := context.WithCancel(context.WithoutCancel(ctx))
+			cancel()
+			_ = srv.Run(done)
+		})
 		s.endpoint = addr.String()
-		g.Go(func() error { return named(compServer, srv.Run(gctx)) })
+		b.add(compServer, srv.Run)
 	}
 
 	if has(compJanitor) {
@@ -180,15 +260,12 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compJanitor, j.Run(gctx)) })
+		b.add(compJanitor, j.Run)
 	}
 
 	needProvider := has(compProvisioner) || has(compInitializer) || has(compRecoverer) || has(compUpdater) || has(compDecommissioner)
 	if !needProvider {
-		if ready != nil {
-			ready(s)
-		}
-		return waitStack(ctx, g)
+		return nil
 	}
 	if cfg.Provider == "" {
 		return errors.New("--provider is required for the provisioner, initializer, recoverer, updater and decommissioner")
@@ -209,6 +286,9 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		HostKeys:   hostKeys,
 		SSHSigner:  signer,
 		SSHUser:    cfg.SSHUser,
+		// Every process of the fleet shares an API account's budget
+		// through the BMDB (SPEC §5.3).
+		RequestBudget: manager.RequestBudgets(s.db),
 	}
 	registry := cfg.Providers
 	if registry == nil {
@@ -218,18 +298,27 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 	if err != nil {
 		return err
 	}
+	if c, ok := p.(io.Closer); ok {
+		b.onClose(func() {
+			if err := c.Close(); err != nil {
+				s.log.Warn("closing the provider", "provider", p.Name(), "err", err)
+			}
+		})
+	}
 	hostKeys.Provider = p.Name()
 	s.provider = p
 	if r, ok := p.(provider.Runner); ok {
-		g.Go(func() error { return named("provider "+p.Name(), r.Run(gctx)) })
+		b.add("provider "+p.Name(), r.Run)
 	}
 
 	if has(compProvisioner) {
-		pr, err := manager.NewProvisioner(cfg.Provisioner, s.db, p, s.reg, s.log)
+		pc := cfg.Provisioner
+		pc.Listing = cfg.Listing
+		pr, err := manager.NewProvisioner(pc, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compProvisioner, pr.Run(gctx)) })
+		b.add(compProvisioner, pr.Run)
 	}
 	if has(compInitializer) {
 		ic := cfg.Initializer
@@ -254,44 +343,30 @@ func (s *stack) run(ctx context.Context, ready func(*stack)) error {
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compInitializer, in.Run(gctx)) })
+		b.add(compInitializer, in.Run)
 	}
 	if has(compRecoverer) {
 		rc, err := manager.NewRecoverer(cfg.Recoverer, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compRecoverer, rc.Run(gctx)) })
+		b.add(compRecoverer, rc.Run)
 	}
 	if has(compUpdater) {
 		uc := cfg.Updater
-		// One --suspect-fraction judges listings for both components.
-		if uc.SuspectFraction == 0 {
-			uc.SuspectFraction = cfg.Provisioner.SuspectFraction
-		}
+		uc.Listing = cfg.Listing
 		up, err := manager.NewUpdater(uc, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compUpdater, up.Run(gctx)) })
+		b.add(compUpdater, up.Run)
 	}
 	if has(compDecommissioner) {
 		dc, err := manager.NewDecommissioner(cfg.Decommissioner, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
-		g.Go(func() error { return named(compDecommissioner, dc.Run(gctx)) })
-	}
-	if ready != nil {
-		ready(s)
-	}
-	return waitStack(ctx, g)
-}
-
-func waitStack(ctx context.Context, g *errgroup.Group) error {
-	err := g.Wait()
-	if err != nil && ctx.Err() == nil {
-		return err
+		b.add(compDecommissioner, dc.Run)
 	}
 	return nil
 }
@@ -333,26 +408,33 @@ func readCA(path string) ([]byte, error) {
 	return b.Bytes, nil
 }
 
-func (s *stack) serveMetrics(ctx context.Context, g *errgroup.Group) error {
+// buildMetrics opens the metrics listener, so that a taken address fails
+// the start, and adds the component that serves /metrics on it.
+func (s *stack) buildMetrics(b *parts) error {
 	ln, err := net.Listen("tcp", s.cfg.MetricsListen)
 	if err != nil {
 		return fmt.Errorf("--metrics-listen: %w", err)
 	}
+	b.onAbandon(func() { ln.Close() })
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{Registry: s.reg}))
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	g.Go(func() error {
-		<-ctx.Done()
+	b.add("metrics", func(ctx context.Context) error {
+		served := make(chan error, 1)
+		go func() { served <- hs.Serve(ln) }()
+		s.log.InfoContext(ctx, "serving metrics", "addr", ln.Addr().String())
+		select {
+		case err := <-served:
+			return err // Serve never returns nil
+		case <-ctx.Done():
+		}
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
-		return hs.Shutdown(sctx)
-	})
-	g.Go(func() error {
-		if err := hs.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("metrics: %w", err)
+		err := hs.Shutdown(sctx)
+		if serr := <-served; !errors.Is(serr, http.ErrServerClosed) {
+			err = errors.Join(err, serr)
 		}
-		return nil
+		return err
 	})
-	s.log.InfoContext(ctx, "serving metrics", "addr", ln.Addr().String())
 	return nil
 }

@@ -11,7 +11,6 @@ import (
 	"syscall"
 
 	"github.com/spf13/pflag"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/web"
@@ -54,9 +53,10 @@ func readOperatorToken(path string, log *slog.Logger) (web.Token, error) {
 	return t, nil
 }
 
-// serveWeb starts the web UI in g; it listens before returning, so that
-// s.webAddr is known and a taken port fails the start.
-func (s *stack) serveWeb(ctx context.Context, g *errgroup.Group) error {
+// buildWeb builds the web UI and opens its listener, so that s.webAddr is
+// known and a taken port fails the start, and adds the component that
+// serves it.
+func (s *stack) buildWeb(b *parts) error {
 	wc := s.cfg.Web
 	rc := s.cfg.Recoverer
 	cfg := web.Config{
@@ -99,9 +99,10 @@ func (s *stack) serveWeb(ctx context.Context, g *errgroup.Group) error {
 	if err != nil {
 		return fmt.Errorf("--web-listen: %w", err)
 	}
+	b.onAbandon(func() { ln.Close() })
 	ws.UseListener(ln)
 	s.webAddr = ln.Addr().String()
-	g.Go(func() error { return named("web", ws.Run(ctx)) })
+	b.add("web", ws.Run)
 	return nil
 }
 

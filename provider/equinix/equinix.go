@@ -10,6 +10,28 @@
 // creating a machine from it turns it into a device, listed under the
 // device's id. Both are the API's opaque ids.
 //
+// # SSH keys
+//
+// Every process registers its own SSH key as a project key labelled with
+// ssh_key_label and the key's SHA-256 fingerprint ("shepherd SHA256:…"),
+// and creates devices with every project key so labelled: processes with
+// different keys (each data directory has its own) all stay trusted on
+// every device, whichever process created it, and none overwrites another's
+// key. The keys are listed for every creation (one more request), so a
+// process that started a moment ago is trusted by the next device. Keys
+// of processes that are gone for good stay trusted until an operator
+// deletes them from the project; keys under other labels are never used.
+//
+// # Request budget
+//
+// requests_per_second and burst are the API account's budget, whichever
+// processes use it: run by `shepherd run` (and by `shepherd equinix` given
+// the BMDB), the provider takes its requests from a token bucket in the
+// BMDB that every process with the same API URL and token shares
+// (provider.Env.RequestBudget), and a 429 any of them gets pauses them
+// all. Give every process the same values. Without the BMDB the budget is
+// the process's own.
+//
 // # Configuration
 //
 //	project: 4f0b…                 # required: the Metal project
@@ -18,10 +40,10 @@
 //	api_url: https://api.equinix.com/metal/v1   # default
 //	prefix: shepherd-              # hostname prefix of our devices; default "shepherd-"
 //	operating_system: ubuntu_22_04 # required: the OS devices are created (and reinstalled) with
-//	ssh_key_label: shepherd        # label of the project SSH key Shepherd ensures; default "shepherd"
+//	ssh_key_label: shepherd        # label prefix of Shepherd's project SSH keys; default "shepherd"
 //	ssh_port: 22                   # port of the devices' SSH servers; default 22
 //	requests_per_second: 5         # the account's request budget; default 5
-//	burst: 10                      # default 10
+//	burst: 10                      # default 10; both: see "Request budget"
 //	max_concurrency: 8             # requests in flight; default 8
 //	failed_reservation_penalty: 1h # a reservation whose device failed is not used again for this long
 //	state_poll_interval: 5s        # how often a reboot or reinstall polls the device's state
@@ -74,8 +96,8 @@ type Config struct {
 	Prefix string
 	// OperatingSystem is the OS slug devices are created and reinstalled with.
 	OperatingSystem string
-	// SSHKeyLabel is the label of the project SSH key the provider ensures
-	// at start; default "shepherd".
+	// SSHKeyLabel starts the labels of Shepherd's project SSH keys (see
+	// "SSH keys" in the package comment); default "shepherd".
 	SSHKeyLabel string
 	// SSHKey is Shepherd's public SSH key, put on every device; required.
 	SSHKey ssh.PublicKey
@@ -115,10 +137,12 @@ func (c Config) Validate() error {
 
 // Provider is the Equinix Metal provider.
 type Provider struct {
-	cfg      Config
-	api      *metal.Client
-	log      *slog.Logger
-	sshKeyID string
+	cfg Config
+	api *metal.Client
+	log *slog.Logger
+	// sshKey is this process's key in authorized_keys form, sshKeyLabel
+	// the label it is registered under.
+	sshKey, sshKeyLabel string
 
 	mu        sync.Mutex
 	penalised map[string]time.Time // reservation id → until
@@ -130,8 +154,8 @@ var (
 	_ provider.Releaser  = (*Provider)(nil)
 )
 
-// New checks cfg, ensures the project SSH key exists under its label with
-// Shepherd's key, and returns the provider.
+// New checks cfg, ensures this process's SSH key is a project key under
+// its own label, and returns the provider.
 func New(ctx context.Context, cfg Config) (*Provider, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -150,19 +174,81 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Provider{cfg: cfg, api: cfg.Client, log: log.With("provider", cfg.Name), penalised: map[string]time.Time{}}
-	key := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(cfg.SSHKey)))
-	k, err := p.api.EnsureSSHKey(ctx, cfg.Project, cfg.SSHKeyLabel, key)
-	if err != nil {
-		return nil, fmt.Errorf("equinix: ensuring project SSH key %q: %w", cfg.SSHKeyLabel, err)
+	p := &Provider{
+		cfg: cfg, api: cfg.Client, log: log.With("provider", cfg.Name), penalised: map[string]time.Time{},
+		sshKey:      strings.TrimSpace(string(ssh.MarshalAuthorizedKey(cfg.SSHKey))),
+		sshKeyLabel: sshKeyLabel(cfg.SSHKeyLabel, cfg.SSHKey),
 	}
-	p.sshKeyID = k.ID
-	p.log.Info("project SSH key in place", "label", cfg.SSHKeyLabel, "ssh_key_id", k.ID, "fingerprint", ssh.FingerprintSHA256(cfg.SSHKey))
+	k, err := p.api.EnsureSSHKey(ctx, cfg.Project, p.sshKeyLabel, p.sshKey)
+	if err != nil {
+		return nil, fmt.Errorf("equinix: ensuring project SSH key %q: %w", p.sshKeyLabel, err)
+	}
+	p.log.Info("project SSH key in place", "label", p.sshKeyLabel, "ssh_key_id", k.ID)
 	return p, nil
+}
+
+// sshKeyLabel is the label a process registers its SSH key under: the
+// configured label and the key's SHA-256 fingerprint. Each key has a label
+// of its own, so that processes with different keys (data directories of
+// their own) never overwrite each other's key, and a process that restarts
+// with its key finds it registered already.
+func sshKeyLabel(label string, key ssh.PublicKey) string {
+	return label + " " + ssh.FingerprintSHA256(key)
+}
+
+// isOurSSHKey reports whether a project key is one a Shepherd process with
+// the configured label registered: its label is sshKeyLabel of the key it
+// holds. A key someone labelled so by hand, but holding another key, is
+// not.
+func (p *Provider) isOurSSHKey(k metal.SSHKey) bool {
+	fp, ok := strings.CutPrefix(k.Label, p.cfg.SSHKeyLabel+" ")
+	if !ok || !strings.HasPrefix(fp, "SHA256:") {
+		return false
+	}
+	pub, _, _, _, err := ssh.ParseAuthorizedKey([]byte(k.Key))
+	return err == nil && ssh.FingerprintSHA256(pub) == fp
+}
+
+// deviceSSHKeys returns the ids of the project SSH keys a new device gets:
+// every Shepherd process's key (isOurSSHKey), since any process's
+// initializer may be the one that takes the device over. They are listed
+// for every creation, so that a device created just after another process
+// started trusts that process too. This process's key is registered again
+// if someone deleted it meanwhile.
+func (p *Provider) deviceSSHKeys(ctx context.Context) ([]string, error) {
+	keys, err := p.api.ListSSHKeys(ctx, p.cfg.Project)
+	if err != nil {
+		return nil, fmt.Errorf("equinix: listing project SSH keys: %w", err)
+	}
+	var ids []string
+	own := false
+	for _, k := range keys {
+		if p.isOurSSHKey(k) {
+			ids = append(ids, k.ID)
+			own = own || strings.TrimSpace(k.Key) == p.sshKey
+		}
+	}
+	if !own {
+		k, err := p.api.EnsureSSHKey(ctx, p.cfg.Project, p.sshKeyLabel, p.sshKey)
+		if err != nil {
+			return nil, fmt.Errorf("equinix: registering project SSH key %q again: %w", p.sshKeyLabel, err)
+		}
+		p.log.Warn("project SSH key was gone; registered it again", "label", p.sshKeyLabel, "ssh_key_id", k.ID)
+		ids = append(ids, k.ID)
+	}
+	return ids, nil
 }
 
 // Name returns the provider name.
 func (p *Provider) Name() string { return p.cfg.Name }
+
+// Close closes the idle connections of the provider's API client, whose
+// goroutines would otherwise outlive a stopped process's components until
+// the transport's idle timeout. The provider stays usable.
+func (p *Provider) Close() error {
+	p.api.CloseIdleConnections()
+	return nil
+}
 
 // machine is a reservation (capacity) or a device as the provider reports it.
 type machine struct {
@@ -185,8 +271,17 @@ func (m *machine) Location() string                    { return m.location }
 func (m *machine) ReservationID() string               { return m.reservation }
 func (m *machine) Status() provider.Status             { return m.status }
 
+// Ours reports whether a device is one of Shepherd's: its hostname starts
+// with the configured prefix (default "shepherd-"). The provider never acts
+// on other devices, and the CLI deletes one only when told twice.
+func (c Config) Ours(d metal.Device) bool { return strings.HasPrefix(d.Hostname, c.HostnamePrefix()) }
+
+// HostnamePrefix is the hostname prefix of Shepherd's devices: Prefix, or
+// its default.
+func (c Config) HostnamePrefix() string { return cmp.Or(c.Prefix, defaultPrefix) }
+
 // ours reports whether a device is one of Shepherd's.
-func (p *Provider) ours(d metal.Device) bool { return strings.HasPrefix(d.Hostname, p.cfg.Prefix) }
+func (p *Provider) ours(d metal.Device) bool { return p.cfg.Ours(d) }
 
 // deviceMachine describes a device.
 func (p *Provider) deviceMachine(d metal.Device) *machine {
@@ -335,7 +430,8 @@ func (p *Provider) Hostname(reservation string) string {
 }
 
 // CreateMachine creates a device on the reservation req.From names, with
-// the reservation's plan, the configured OS and the project SSH key. The
+// the reservation's plan, the configured OS and every Shepherd project SSH
+// key. The
 // witness is the creating session and the reservation: a retried request
 // finds the device its earlier attempt made instead of making a second.
 func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest) (provider.Machine, error) {
@@ -348,6 +444,10 @@ func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest
 	} else if err != nil {
 		return nil, fmt.Errorf("equinix: getting reservation %s: %w", req.From.ID(), err)
 	}
+	keys, err := p.deviceSSHKeys(ctx)
+	if err != nil {
+		return nil, err
+	}
 	witness := req.Session.String() + "/" + r.ID
 	d, err := p.api.CreateDevice(ctx, p.cfg.Project, metal.CreateDeviceRequest{
 		Hostname:              p.Hostname(r.ID),
@@ -355,7 +455,7 @@ func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest
 		Metro:                 r.Metro.Code,
 		OperatingSystem:       p.cfg.OperatingSystem,
 		HardwareReservationID: r.ID,
-		ProjectSSHKeys:        []string{p.sshKeyID},
+		ProjectSSHKeys:        keys,
 	}, witness)
 	switch {
 	case errors.Is(err, metal.ErrRaceLost):
@@ -558,9 +658,23 @@ func ParseConfig(data []byte, getenv func(string) string) (FileConfig, error) {
 	return fc, nil
 }
 
+// SharedBudget is the metal client's hook (metal.Config.SharedBudget) for
+// budgets, a process's source of budgets shared by every process
+// (provider.Env.RequestBudget); nil for nil, which leaves the client its
+// budget in memory.
+func SharedBudget(budgets func(account string, rate float64, burst int) (provider.RequestBudget, error)) func(string, float64, int) (metal.Budget, error) {
+	if budgets == nil {
+		return nil
+	}
+	return func(account string, rate float64, burst int) (metal.Budget, error) {
+		return budgets(account, rate, burst)
+	}
+}
+
 // Factory is the provider.Factory for the registry: config is the YAML of
-// the package comment. The provider's client gets the process's logger and
-// metrics registerer.
+// the package comment. The provider's client gets the process's logger,
+// metrics registerer and, if the process has one (env.RequestBudget), the
+// request budget every process using the account shares.
 func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Provider, error) {
 	fc, err := ParseConfig(config, nil)
 	if err != nil {
@@ -570,6 +684,7 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 		return nil, errors.New("equinix: the process has no SSH key to put on devices")
 	}
 	fc.Client.Logger, fc.Client.Registerer = env.Logger, env.Registerer
+	fc.Client.SharedBudget = SharedBudget(env.RequestBudget)
 	client, err := metal.New(fc.Client)
 	if err != nil {
 		return nil, err
@@ -577,5 +692,10 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 	fc.Provider.Client = client
 	fc.Provider.SSHKey = env.SSHSigner.PublicKey()
 	fc.Provider.Logger = env.Logger
-	return New(ctx, fc.Provider)
+	p, err := New(ctx, fc.Provider)
+	if err != nil {
+		client.CloseIdleConnections() // nobody will Close a provider that is not there
+		return nil, err
+	}
+	return p, nil
 }

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -57,7 +58,9 @@ type fixture struct {
 	fake *fakemetal.Server
 	srv  *httptest.Server
 	p    *equinix.Provider
+	key  ssh.PublicKey // the provider's SSH key
 	logs *syncBuffer
+	fc   fixtureConfig
 }
 
 type fixtureConfig struct {
@@ -78,10 +81,18 @@ func newFixture(t *testing.T, fc fixtureConfig) *fixture {
 	fake.AddReservations(project, "c3.small.x86", "fr2", "fr", fc.reservations)
 	srv := httptest.NewServer(fake)
 	t.Cleanup(srv.Close)
-	logs := &syncBuffer{}
-	log := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	cc := fc.client
-	cc.BaseURL, cc.Token, cc.Logger = srv.URL+"/metal/v1", token, log
+	f := &fixture{fake: fake, srv: srv, logs: &syncBuffer{}, fc: fc}
+	f.p, f.key = f.newProvider(t, fc.client)
+	return f
+}
+
+// newProvider starts another provider on the fixture's fake account, as
+// another process would: a client of its own (configured as cc, with the
+// fixture's defaults for what cc leaves zero) and an SSH key of its own.
+func (f *fixture) newProvider(t *testing.T, cc metal.Config) (*equinix.Provider, ssh.PublicKey) {
+	t.Helper()
+	log := slog.New(slog.NewTextHandler(f.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	cc.BaseURL, cc.Token, cc.Logger = f.srv.URL+"/metal/v1", token, log
 	if cc.RequestsPerSecond == 0 {
 		cc.RequestsPerSecond, cc.Burst = 200, 50
 	}
@@ -89,6 +100,23 @@ func newFixture(t *testing.T, fc fixtureConfig) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(client.CloseIdleConnections)
+	signer := newSigner(t)
+	pc := f.fc.provider
+	pc.Project, pc.Client, pc.OperatingSystem, pc.SSHKey, pc.Logger = project, client, "ubuntu_22_04", signer.PublicKey(), log
+	pc.StatePollInterval = cmpOr(pc.StatePollInterval, 20*time.Millisecond)
+	pc.RebootSettle = cmpOr(pc.RebootSettle, time.Second)
+	p, err := equinix.New(t.Context(), pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, signer.PublicKey()
+}
+
+// newSigner returns a new SSH key, as a process makes in its data
+// directory.
+func newSigner(t *testing.T) ssh.Signer {
+	t.Helper()
 	_, key, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
 		t.Fatal(err)
@@ -97,15 +125,7 @@ func newFixture(t *testing.T, fc fixtureConfig) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pc := fc.provider
-	pc.Project, pc.Client, pc.OperatingSystem, pc.SSHKey, pc.Logger = project, client, "ubuntu_22_04", signer.PublicKey(), log
-	pc.StatePollInterval = cmpOr(pc.StatePollInterval, 20*time.Millisecond)
-	pc.RebootSettle = cmpOr(pc.RebootSettle, time.Second)
-	p, err := equinix.New(t.Context(), pc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &fixture{fake: fake, srv: srv, p: p, logs: logs}
+	return signer
 }
 
 func cmpOr(a, b time.Duration) time.Duration {
@@ -144,15 +164,104 @@ func TestContract(t *testing.T) {
 	})
 }
 
-// TestSSHKeyEnsured: the project key exists once under its label, also
-// when a second provider (a second process) starts.
-func TestSSHKeyEnsured(t *testing.T) {
+// TestSSHKeysOfSeveralProcesses starts providers with different SSH keys
+// (processes with data directories of their own) on one project: each
+// key is registered once and stays, none overwrites another, and a device
+// any of them creates trusts every one of them, so that whichever process's
+// initializer claims it can take it over.
+func TestSSHKeysOfSeveralProcesses(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, fixtureConfig{reservations: 1})
-	keys := f.fake.SSHKeys(project)
-	if len(keys) != 1 || keys[0].Label != "shepherd" {
-		t.Fatalf("project SSH keys after start: %+v, want one labelled shepherd", keys)
+	f := newFixture(t, fixtureConfig{reservations: 2, fake: fakemetal.Config{ProvisionDelay: time.Millisecond}})
+	f.fake.AddSSHKey(project, "someone's laptop", someoneElsesKey(t))
+	b, bKey := f.newProvider(t, metal.Config{})
+	f.newProvider(t, metal.Config{}) // a third process, a third key
+	// A restart of the first process (the same key) registers nothing new.
+	restarted, err := equinix.New(t.Context(), equinix.Config{Project: project, Client: mustClient(t, f), OperatingSystem: "ubuntu_22_04", SSHKey: f.key})
+	if err != nil {
+		t.Fatal(err)
 	}
+
+	authorized := func(k ssh.PublicKey) string { return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k))) }
+	byKey := map[string][]string{} // authorized key → ids of project keys holding it
+	var ids []string
+	for _, k := range f.fake.SSHKeys(project) {
+		byKey[strings.TrimSpace(k.Key)] = append(byKey[strings.TrimSpace(k.Key)], k.ID)
+		ids = append(ids, k.ID)
+	}
+	// Three keys of ours, and someone else's.
+	if len(ids) != 4 {
+		t.Errorf("the project has %d SSH keys after three keys were registered and one restarted, want 4 (with someone else's): %+v", len(ids), f.fake.SSHKeys(project))
+	}
+	for name, k := range map[string]ssh.PublicKey{"first": f.key, "second": bKey} {
+		if n := len(byKey[authorized(k)]); n != 1 {
+			t.Errorf("the %s process's key is in the project %d times, want once", name, n)
+		}
+	}
+
+	capacity := func() provider.Machine {
+		t.Helper()
+		ms, err := restarted.ListMachines(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range ms {
+			if m.Availability() == provider.KnownUnused {
+				return m
+			}
+		}
+		t.Fatal("no capacity left")
+		return nil
+	}
+	for name, p := range map[string]*equinix.Provider{"first": f.p, "second": b} {
+		m, err := p.CreateMachine(t.Context(), provider.CreateRequest{From: capacity(), Session: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, _ := f.fake.Device(m.ID())
+		trusted := map[string]bool{}
+		for _, id := range d.SSHKeyIDs {
+			for k, kids := range byKey {
+				if slices.Contains(kids, id) {
+					trusted[k] = true
+				}
+			}
+		}
+		for owner, k := range map[string]ssh.PublicKey{"first": f.key, "second": bKey} {
+			if !trusted[authorized(k)] {
+				t.Errorf("the device the %s process created does not trust the %s process's key (keys %v)", name, owner, d.SSHKeyIDs)
+			}
+		}
+		if trusted[someoneElsesKey(t)] {
+			t.Errorf("the device the %s process created trusts a project key that is not Shepherd's", name)
+		}
+	}
+}
+
+// someoneElsesKey is a fixed authorized key that no provider in the tests
+// uses.
+func someoneElsesKey(t *testing.T) string {
+	t.Helper()
+	pub, _, err := ed25519.GenerateKey(bytes.NewReader(make([]byte, 64)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := ssh.NewPublicKey(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k)))
+}
+
+// mustClient is a client of the fixture's account with the fixture's
+// defaults.
+func mustClient(t *testing.T, f *fixture) *metal.Client {
+	t.Helper()
+	c, err := metal.New(metal.Config{BaseURL: f.srv.URL + "/metal/v1", Token: token, RequestsPerSecond: 200, Burst: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.CloseIdleConnections)
+	return c
 }
 
 // TestFaultyProvisioning provisions 200 reservations with the real

@@ -8,7 +8,9 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/shepherd/shepherd/provider"
+	"github.com/shepherd/shepherd/provider/equinix"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
+	"github.com/shepherd/shepherd/provider/equinix/metal"
 )
 
 // TestReleaseMachine: releasing a device of ours deletes it and makes its
@@ -62,5 +64,24 @@ func TestReleaseMachine(t *testing.T) {
 	}
 	if d, ok := f.fake.Device(foreign); !ok || d.State != "active" {
 		t.Errorf("the foreign device changed: %+v (exists: %v)", d, ok)
+	}
+}
+
+func TestConfigOurs(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		prefix, hostname string
+		want             bool
+	}{
+		{"", "shepherd-1a2b3c4d", true},
+		{"", "db-1", false},
+		{"", "Shepherd-1a2b3c4d", false},
+		{"lab-", "lab-1a2b3c4d", true},
+		{"lab-", "shepherd-1a2b3c4d", false},
+	} {
+		c := equinix.Config{Prefix: tt.prefix}
+		if got := c.Ours(metal.Device{Hostname: tt.hostname}); got != tt.want {
+			t.Errorf("Config{Prefix: %q}.Ours(%q) = %v, want %v", tt.prefix, tt.hostname, got, tt.want)
+		}
 	}
 }

@@ -161,6 +161,23 @@ func (s *Server) AddProject(id string) {
 	s.addProject(id, s.cfg.Now())
 }
 
+// AddSSHKey adds an SSH key to project (added if missing), as someone
+// using the portal would, and returns its id. An invalid key panics: it is
+// a bug in the test.
+func (s *Server) AddSSHKey(project, label, key string) string {
+	fp, err := fingerprint(key)
+	if err != nil {
+		panic("fakemetal: AddSSHKey: " + err.Error())
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.cfg.Now()
+	s.addProject(project, now)
+	k := &sshKey{id: uuid.NewString(), project: project, label: label, key: key, fingerprint: fp, created: now, updated: now}
+	s.sshKeys[k.id] = k
+	return k.id
+}
+
 // AddReservations adds n provisionable hardware reservations without a
 // device to project (added if missing) and returns their ids.
 func (s *Server) AddReservations(project, plan, facility, metro string, n int) []string {

@@ -40,13 +40,33 @@ const (
 	// few MB; more is a broken or hostile server.
 	maxBodyBytes = 64 << 20
 
-	// maxPages bounds one listing (100,000 objects at the default page
-	// size), so a server whose page links never end cannot keep a caller
-	// listing forever.
-	maxPages = 1000
+	// maxListObjects bounds one listing, far above any real project, so
+	// that a server whose page links never end, and which does not say how
+	// long its listing is, cannot keep a caller listing forever: at the
+	// default page size it is 100,000 pages. A listing whose API reports
+	// its length is bounded by that length (listAll).
+	maxListObjects = 10_000_000
 
 	userAgent = "shepherd-metal/1"
 )
+
+// Budget is an API account's request budget: every request of a Client
+// waits for it. Wait returns when a request may be sent, or an error if
+// ctx ends first or its deadline would pass while waiting. Pause holds every
+// request of the account's users until d from now: the API answered 429
+// with Retry-After d. A budget shared by several processes (Config.
+// SharedBudget) makes the pause theirs too; the Client pauses itself in any
+// case.
+type Budget interface {
+	Wait(ctx context.Context) error
+	Pause(ctx context.Context, d time.Duration) error
+}
+
+// localBudget is the budget of an account only this process uses: a token
+// bucket in memory. The Client's own pause is all the pause it needs.
+type localBudget struct{ *rate.Limiter }
+
+func (localBudget) Pause(context.Context, time.Duration) error { return nil }
 
 // Client speaks to the Equinix Metal API on behalf of one account. It is
 // safe for concurrent use, and meant to be shared: the account's request
@@ -56,7 +76,7 @@ type Client struct {
 	token   *secret // a pointer, so that printing a Client value by reflection shows an address
 	base    *url.URL
 	http    *http.Client
-	limiter *rate.Limiter
+	budget  Budget
 	slots   chan struct{} // one token per request in flight
 	pause   pause
 	metrics *metrics
@@ -64,7 +84,7 @@ type Client struct {
 
 	// Test knobs, set only by tests before the first call.
 	backoffBase, backoffMax time.Duration
-	maxPages                int
+	maxPages                int // maxListObjects in pages of cfg.PerPage
 }
 
 // New returns a client for the account cfg.Token belongs to. It sends no
@@ -82,16 +102,22 @@ func New(cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	budget := Budget(localBudget{rate.NewLimiter(rate.Limit(cfg.RequestsPerSecond), cfg.Burst)})
+	if cfg.SharedBudget != nil {
+		if budget, err = cfg.SharedBudget(cfg.Account(), cfg.RequestsPerSecond, cfg.Burst); err != nil {
+			return nil, fmt.Errorf("metal: the shared request budget: %w", err)
+		}
+	}
 	c := &Client{
 		token:       newSecret(cfg.Token),
 		base:        base,
-		limiter:     rate.NewLimiter(rate.Limit(cfg.RequestsPerSecond), cfg.Burst),
+		budget:      budget,
 		slots:       make(chan struct{}, cfg.MaxConcurrency),
 		metrics:     m,
 		log:         cfg.Logger,
 		backoffBase: backoffBase,
 		backoffMax:  backoffMax,
-		maxPages:    maxPages,
+		maxPages:    (maxListObjects + cfg.PerPage - 1) / cfg.PerPage,
 	}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
@@ -109,7 +135,7 @@ func New(cfg Config) (*Client, error) {
 	c.http = &hc
 
 	cfg.Token = ""
-	cfg.HTTPClient, cfg.Registerer, cfg.Logger = nil, nil, nil
+	cfg.HTTPClient, cfg.Registerer, cfg.Logger, cfg.SharedBudget = nil, nil, nil, nil
 	c.cfg = cfg
 	return c, nil
 }
@@ -272,8 +298,14 @@ func (c *Client) do(ctx context.Context, r *request, out any) error {
 			}
 			// Never less than the backoff, so that a server answering 429
 			// with Retry-After: 0 again and again is not hammered.
-			until := time.Now().Add(max(wait, c.backoff(limits)))
+			wait = max(wait, c.backoff(limits))
+			until := time.Now().Add(wait)
 			c.pause.extend(until)
+			if perr := c.budget.Pause(ctx, wait); perr != nil {
+				// This process pauses all the same; only other processes
+				// may not learn of the 429.
+				c.log.WarnContext(ctx, "metal: telling the shared request budget of a 429 failed", slog.Any("err", perr))
+			}
 			c.log.DebugContext(ctx, "metal request rate limited, pausing the client",
 				slog.String("method", r.method), slog.String("endpoint", r.endpoint), slog.String("path", r.path),
 				slog.Int("attempt", attempt), slog.Duration("wait", time.Until(until)))
@@ -324,7 +356,7 @@ func (c *Client) attempt(ctx context.Context, r *request, out any) (outcome, tim
 			return unsent, 0, fmt.Errorf("metal: %s %s: %w", r.method, r.path, err)
 		}
 		// Wait fails at once if the wait would outlast ctx's deadline.
-		if err := c.limiter.Wait(ctx); err != nil {
+		if err := c.budget.Wait(ctx); err != nil {
 			return unsent, 0, fmt.Errorf("metal: %s %s: waiting for the request budget: %w", r.method, r.path, err)
 		}
 		if !time.Now().Before(c.pause.end()) {

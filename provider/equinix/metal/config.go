@@ -2,6 +2,8 @@ package metal
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -59,6 +61,12 @@ type Config struct {
 	// PerPage is the page size asked for when listing; default 100, at most
 	// MaxPerPage.
 	PerPage int
+	// SharedBudget, if set, gives the client the request budget that every
+	// process using the account shares (the BMDB's, SPEC §5.3) instead of a
+	// token bucket of its own: New calls it once with the account's name
+	// (Account), RequestsPerSecond and Burst. Nil keeps the budget in the
+	// process, which is right only while one process uses the account.
+	SharedBudget func(account string, requestsPerSecond float64, burst int) (Budget, error)
 	// HTTPClient sends the requests; default a client whose transport has
 	// dial and TLS handshake timeouts. The Client uses a copy that does not
 	// follow redirects, so the token never goes to another host.
@@ -127,6 +135,16 @@ func validateBaseURL(s string) error {
 		return errors.New("metal: BaseURL must not have a query or fragment")
 	}
 	return nil
+}
+
+// Account names the API account c speaks for, for a budget shared by every
+// process using it: "metal:" and the first 128 bits of the SHA-256 of the
+// base URL and the token, in hex. The token cannot be recovered from it, so
+// it may be stored and logged; processes with the same URL and token get
+// the same name.
+func (c Config) Account() string {
+	h := sha256.Sum256([]byte(strings.TrimRight(cmp.Or(c.BaseURL, DefaultBaseURL), "/") + "\x00" + c.Token))
+	return "metal:" + hex.EncodeToString(h[:16])
 }
 
 // withDefaults returns a copy of c with every zero field set to its

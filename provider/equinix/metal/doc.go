@@ -7,10 +7,14 @@
 //
 // # One client per account
 //
-// The API meters requests per account, so a Client owns the account's
+// The API meters requests per account, so a Client keeps to the account's
 // request budget: a token bucket (Config.RequestsPerSecond, Config.Burst)
 // and a bound on requests in flight (Config.MaxConcurrency). Every control
-// loop and the CLI share one Client per account, and therefore the budget.
+// loop of a process shares one Client per account, and therefore the
+// budget. When several processes use the account, Config.SharedBudget
+// gives them one bucket among them (Shepherd keeps it in the BMDB, SPEC
+// §5.3), named by Config.Account, a digest that does not reveal the token;
+// a 429 any of them gets then pauses them all.
 //
 // # Retries
 //

@@ -15,15 +15,42 @@ type pageMeta struct {
 	Next *struct {
 		Href string `json:"href"`
 	} `json:"next"`
+	LastPage int `json:"last_page"`
+	Total    int `json:"total"`
+}
+
+// reportedPages is how many pages the API says the listing has, at
+// perPage objects a page; 0 if it does not say.
+func (m pageMeta) reportedPages(perPage int) int {
+	switch {
+	case m.LastPage > 0:
+		return m.LastPage
+	case m.Total > 0:
+		return (m.Total + perPage - 1) / perPage
+	}
+	return 0
+}
+
+// pageLimit is how many pages a listing may take when the API reported
+// that it has reported pages (0: it did not say): that many, plus slack
+// for objects created while the listing runs, which push others onto later
+// pages; never more than hardMax.
+func pageLimit(reported, hardMax int) int {
+	if reported <= 0 {
+		return hardMax
+	}
+	return min(hardMax, reported+reported/10+10)
 }
 
 // listAll reads every page of a listing: it asks for c.cfg.PerPage objects
 // a page and follows meta.next.href until it is null. Objects are
 // deduplicated by id (offset pagination repeats an object when another is
 // created meanwhile). A page link seen before, a page that repeats an
-// earlier one, or more than c.maxPages pages end the listing with an
-// error rather than loop forever. Each page is one call, with its own
-// RetryDeadline.
+// earlier one, or more pages than the API reported (meta.last_page, or
+// meta.total; with some slack, see pageLimit) end the listing with an
+// error rather than loop forever; so does a listing of more than
+// maxListObjects from an API that does not report its length. Each page is
+// one call, with its own RetryDeadline.
 func listAll[T any](ctx context.Context, c *Client, endpoint, path, key string, id func(T) string) ([]T, error) {
 	q := url.Values{}
 	q.Set("page", "1")
@@ -34,6 +61,7 @@ func listAll[T any](ctx context.Context, c *Client, endpoint, path, key string, 
 	seenPages := map[string]bool{}
 	seenIDs := map[string]bool{}
 	var all []T
+	reported := 0 // the most pages the API said the listing has
 	for page := 1; ; page++ {
 		var raw map[string]json.RawMessage
 		if err := c.do(ctx, &request{method: http.MethodGet, endpoint: endpoint, path: path, repeatable: true}, &raw); err != nil {
@@ -83,8 +111,12 @@ func listAll[T any](ctx context.Context, c *Client, endpoint, path, key string, 
 			return nil, fmt.Errorf("metal: GET %s: listing %s: the next page link %q leads back to an earlier page",
 				path, key, next)
 		}
-		if page >= c.maxPages {
-			return nil, fmt.Errorf("metal: listing %s: more than %d pages", key, c.maxPages)
+		reported = max(reported, meta.reportedPages(c.cfg.PerPage))
+		if limit := pageLimit(reported, c.maxPages); page >= limit {
+			if reported > 0 {
+				return nil, fmt.Errorf("metal: listing %s: more than %d pages (the API reported %d)", key, limit, reported)
+			}
+			return nil, fmt.Errorf("metal: listing %s: more than %d pages", key, limit)
 		}
 		seenLinks[next] = true
 		path = next

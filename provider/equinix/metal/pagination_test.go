@@ -236,3 +236,95 @@ func TestListBadAnswers(t *testing.T) {
 		})
 	}
 }
+
+// synthetic serves a listing of n devices ("d0000000", ...) in pages of
+// the per_page asked for, with the meta the API gives (last_page, total,
+// next); reportPages, if > 0, is the last_page it claims instead, while its
+// next links go on to the real end. Pages are made on the fly, so a
+// listing of 100,000 objects costs no memory.
+func synthetic(n, reportPages int) func(http.ResponseWriter, *http.Request) bool {
+	return func(w http.ResponseWriter, r *http.Request) bool {
+		q := r.URL.Query()
+		page, _ := strconv.Atoi(q.Get("page"))
+		perPage, _ := strconv.Atoi(q.Get("per_page"))
+		if page < 1 || perPage < 1 {
+			writeJSON(w, http.StatusBadRequest, errorBody("bad page or per_page"))
+			return true
+		}
+		last := max(1, (n+perPage-1)/perPage)
+		var b strings.Builder
+		b.WriteString(`{"devices":[`)
+		for i := (page - 1) * perPage; i < min(n, page*perPage); i++ {
+			if i > (page-1)*perPage {
+				b.WriteByte(',')
+			}
+			fmt.Fprintf(&b, `{"id":"d%07d","hostname":"h%07d"}`, i, i)
+		}
+		next := "null"
+		if page < last {
+			next = fmt.Sprintf(`{"href":"%s?page=%d&per_page=%d"}`, r.URL.Path, page+1, perPage)
+		}
+		reported := last
+		if reportPages > 0 {
+			reported = reportPages
+		}
+		fmt.Fprintf(&b, `],"meta":{"current_page":%d,"last_page":%d,"total":%d,"next":%s}}`, page, reported, n, next)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(b.String()))
+		return true
+	}
+}
+
+// TestListMoreThan100000 lists 100,001 devices at the default page size:
+// 1,001 pages. How many pages a listing may take follows from what the
+// API says it has, not from a fixed cap.
+func TestListMoreThan100000(t *testing.T) {
+	t.Parallel()
+	const n = 100_001
+	f := newFake(t)
+	f.setIntercept(synthetic(n, 0))
+	c, _ := newTestClient(t, f.baseURL(), nil)
+	ds, err := c.ListDevices(t.Context(), testProject)
+	if err != nil {
+		t.Fatalf("ListDevices of %d devices: %v", n, err)
+	}
+	if len(ds) != n || ds[0].ID != "d0000000" || ds[n-1].ID != fmt.Sprintf("d%07d", n-1) {
+		t.Fatalf("ListDevices = %d devices, want %d in order", len(ds), n)
+	}
+	if got := len(f.allHits()); got != (n+DefaultPerPage-1)/DefaultPerPage {
+		t.Errorf("server saw %d page requests, want %d", got, (n+DefaultPerPage-1)/DefaultPerPage)
+	}
+}
+
+// TestListLongerThanReported: an API whose pages go on far beyond the
+// last_page it reports is not followed forever, but some slack is granted:
+// objects created while a listing runs add pages.
+func TestListLongerThanReported(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name            string
+		n, reportPages  int
+		wantErr         string
+		wantPagesServed int
+	}{
+		{"a page more than reported", 31, 3, "", 4},
+		{"ten times the reported pages", 300, 3, "more than 13 pages (the API reported 3)", 13},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			f := newFake(t)
+			f.setIntercept(synthetic(tt.n, tt.reportPages))
+			c, _ := newTestClient(t, f.baseURL(), func(c *Config) { c.PerPage = 10 })
+			ds, err := c.ListDevices(t.Context(), testProject)
+			switch {
+			case tt.wantErr == "" && (err != nil || len(ds) != tt.n):
+				t.Errorf("ListDevices = %d devices, %v; want %d", len(ds), err, tt.n)
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Errorf("ListDevices = %d devices, %v; want an error containing %q", len(ds), err, tt.wantErr)
+			}
+			if got := len(f.allHits()); got != tt.wantPagesServed {
+				t.Errorf("server saw %d page requests, want %d", got, tt.wantPagesServed)
+			}
+		})
+	}
+}
