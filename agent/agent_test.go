@@ -401,13 +401,16 @@ func TestInstallation(t *testing.T) {
 	id := bmdbtest.AddMachine(t, f.db, f.s, "p")
 	stateDir := t.TempDir()
 	rebooted := filepath.Join(t.TempDir(), "rebooted")
-	resp, _, _ := takeover(t, stateDir, f.init(id), "--reboot-command", "touch "+rebooted, "--work-dir", t.TempDir())
+	// The target is a file, which the agent writes only when told to.
+	targets := t.TempDir()
+	target := filepath.Join(targets, "disk.img")
+	resp, _, _ := takeover(t, stateDir, f.init(id), "--reboot-command", "touch "+rebooted, "--work-dir", t.TempDir(),
+		"--allow-file-target-dir", targets)
 	ok := successOf(t, resp)
 	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.SetAgentStarted(ctx, id, ok.GetPublicKey()) })
 
 	images := newImageServer(t, 2<<20)
 	images.slow.Store(true)
-	target := filepath.Join(t.TempDir(), "disk.img")
 	request := func(req *agentv1.OSInstallationRequest) int64 {
 		t.Helper()
 		raw, err := proto.Marshal(req)

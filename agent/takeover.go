@@ -44,6 +44,9 @@ type daemonConfig struct {
 	MaxBackoff    time.Duration `json:"max_backoff"`
 	HardwareRoot  string        `json:"hardware_root"`
 	WorkDir       string        `json:"work_dir"`
+	// FileTargetDirs is Config.Install.FileTargetDirs; the daemon's
+	// install.Config must carry it (see daemon.go's maybeInstall).
+	FileTargetDirs []string `json:"file_target_dirs,omitempty"`
 }
 
 // Takeover reads a TakeoverInit from stdin, generates a key pair, starts the
@@ -101,6 +104,7 @@ func takeover(ctx context.Context, cfg Config, executable string, stdin io.Reade
 		HardwareRoot:  cfg.HardwareRoot,
 		WorkDir:       cfg.Install.WorkDir,
 	}
+	dc.FileTargetDirs = cfg.Install.FileTargetDirs
 	if err := startDaemon(ctx, executable, dc); err != nil {
 		return takeoverError("starting the agent daemon: %v", err)
 	}

@@ -260,7 +260,7 @@ func (s *Server) act(a action) http.Handler {
 			req := &agentv1.OSInstallationRequest{
 				ImageUrl: d.ImageURL, ImageSha256: d.SHA256, TargetDevice: d.TargetDevice, RebootAfter: d.Reboot,
 			}
-			if err := install.CheckRequest(req); err != nil {
+			if err := install.CheckRequest(req, install.RequestOptions{}); err != nil {
 				refuse(http.StatusBadRequest, "Invalid installation request: "+err.Error())
 				return
 			}

@@ -432,6 +432,11 @@ func TestActions(t *testing.T) {
 	if resp, body := post(installPath, bad); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, "Invalid installation request") {
 		t.Errorf("install with a bad SHA-256: POST = %s:\n%s", resp.Status, body)
 	}
+	bad.Set("sha256", strings.Repeat("ab", 32))
+	bad.Set("target_device", "/var/lib/disk.img") // a file: the web UI asks for block devices only
+	if resp, body := post(installPath, bad); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, "not a device under /dev") {
+		t.Errorf("install to a target outside /dev: POST = %s:\n%s", resp.Status, body)
+	}
 	if in, err := f.db.GetInstallation(t.Context(), f.healthy[1]); err != nil || in.RequestGeneration != 0 {
 		t.Errorf("a refused install stored a request: %+v, %v", in, err)
 	}

@@ -1,13 +1,48 @@
 // Package install carries out OS installation requests on the machine the
 // agent runs on.
 //
-// An installation (SPEC §4.3) downloads a raw disk image over http or https,
-// verifies its SHA-256, writes it to the target device, fsyncs the device,
-// reads the written bytes back to verify them again, and reports success or
-// the error to the server. The image is staged in a temporary file while it
-// downloads so that the target device is only ever opened for writing once
-// the whole image is known to be the one the server asked for: a failed or
-// corrupted download leaves the machine's disk untouched.
+// An installation (SPEC §4.3) checks the target, downloads a raw disk image
+// over http or https, verifies its SHA-256, writes it to the target device,
+// fsyncs the device, reads the written bytes back to verify them again, and
+// reports success or the error to the server. The image is staged in a
+// temporary file while it downloads so that the target device is only ever
+// written once the whole image is known to be the one the server asked for:
+// a failed or corrupted download leaves the machine's disk untouched.
+//
+// # Targets
+//
+// The target is checked before anything is downloaded, and an installation
+// to a target that fails the check reports an error naming the target and
+// the reason, having downloaded, created and written nothing. A mistyped
+// device name (/dev/sdbb) must not become a regular file in /dev that is
+// reported installed, and an operator of many machines wants the typo back
+// in seconds, not after a multi-gigabyte download. The target, with
+// symlinks such as /dev/disk/by-id/... resolved, must be:
+//
+//   - an existing block device. The agent never creates a target. The
+//     device must not be mounted, nor any of its partitions (read from
+//     /proc/self/mountinfo, so the error can say where: typically the
+//     running system's root file system). It is then opened exclusively
+//     (O_EXCL), which the kernel refuses while it has the device in use in
+//     any way the mount table does not show (swap, LVM, RAID, device
+//     mapper, btrfs, another program's exclusive open), and held so until
+//     the installation ends. An installation therefore cannot overwrite
+//     the disk the agent's own system runs from: writing a live file
+//     system's disk yields an image the running kernel keeps writing into
+//     (journal, logs), a machine that may boot a silently corrupted system.
+//     Install from a system that runs from memory (a rescue or netboot
+//     image) instead. An image larger than the device is refused before
+//     anything is written, rather than leaving the disk half overwritten.
+//   - or a regular file under one of Config.FileTargetDirs (the agent's
+//     --allow-file-target-dir), created there if missing; for tests. There
+//     is no such directory by default, so a production agent writes block
+//     devices only.
+//
+// Anything else (a missing path, a directory, a character device such as
+// /dev/null, a dangling symlink) is refused. CheckRequest applies the part
+// of these rules that needs no access to the machine on the operator's
+// side: a target must be a path under /dev unless file targets were asked
+// for explicitly.
 //
 // Rebooting after a successful installation (OSInstallationRequest.reboot_after)
 // is not done here: the agent reboots only once the success report was
@@ -73,12 +108,20 @@ type Config struct {
 	// long (waiting for the response headers or for any read of the body).
 	// 0 means DefaultStallTimeout.
 	StallTimeout time.Duration
+	// FileTargetDirs are the directories under which a target may be a
+	// regular file (created if missing) rather than a block device: for
+	// tests, never needed in production. Each must be an absolute path to
+	// an existing directory other than / and outside /dev, where a file
+	// would be a mistyped device. Empty (the default) means block devices
+	// only.
+	FileTargetDirs []string
 	// Logger receives progress and errors. nil discards them.
 	Logger *slog.Logger
 }
 
-// Validate reports whether c is usable: no field may be negative, and
-// WorkDir, when set, must be an existing directory.
+// Validate reports whether c is usable: no field may be negative, WorkDir,
+// when set, must be an existing directory, and FileTargetDirs must be as
+// their comment says.
 func (c Config) Validate() error {
 	var errs []error
 	if c.MaxImageBytes < 0 {
@@ -96,7 +139,35 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("WorkDir %s is not a directory", c.WorkDir))
 		}
 	}
+	for _, dir := range c.FileTargetDirs {
+		if err := checkFileTargetDir(dir); err != nil {
+			errs = append(errs, fmt.Errorf("FileTargetDirs: %w", err))
+		}
+	}
 	return errors.Join(errs...)
+}
+
+// checkFileTargetDir checks one entry of Config.FileTargetDirs.
+func checkFileTargetDir(dir string) error {
+	if !filepath.IsAbs(dir) {
+		return fmt.Errorf("%q is not an absolute path", dir)
+	}
+	resolved, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return fmt.Errorf("%s: %w", dir, err)
+	}
+	if fi, err := os.Stat(resolved); err != nil {
+		return fmt.Errorf("%s: %w", dir, err)
+	} else if !fi.IsDir() {
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	switch {
+	case resolved == "/":
+		return fmt.Errorf("%s is the root directory: every file of the machine would be a valid target", dir)
+	case resolved == "/dev" || strings.HasPrefix(resolved, "/dev/"):
+		return fmt.Errorf("%s is in /dev, where a file target is a mistyped device name", describeTarget(dir, resolved))
+	}
+	return nil
 }
 
 // withDefaults returns c with its zero values replaced by the defaults,
@@ -137,14 +208,15 @@ func newDefaultClient() (*http.Client, func()) {
 // Install carries out req and returns the report to send to the server. It
 // never panics and always returns a report for req.Generation: every failure
 // becomes an error report whose message says what failed (validating the
-// request, downloading, checksum, writing, syncing, verifying). ctx cancels
-// it; cancelling while the image is being written leaves the target
-// partially written (and reports an error).
+// request, checking the target, downloading, checksum, writing, syncing,
+// verifying). ctx cancels it; cancelling while the image is being written
+// leaves the target partially written (and reports an error).
 //
-// The target device is opened for writing only after the downloaded image's
-// SHA-256 matched req.ImageSha256. Install is safe for concurrent use, but
-// running two installations to the same target at once is the caller's
-// mistake.
+// The target is checked (see the package documentation) before the
+// download starts, and written only after the downloaded image's SHA-256
+// matched req.ImageSha256. Install is safe for concurrent use; two
+// installations to the same block device at once cannot both claim it, so
+// the second fails.
 func Install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest) (report *agentv1.OSInstallationReport) {
 	generation := req.GetGeneration()
 	logger := cfg.Logger
@@ -195,8 +267,12 @@ func install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest
 		return fmt.Errorf("installation cancelled before it started: %w", context.Cause(ctx))
 	}
 	want := strings.ToLower(req.GetImageSha256())
-	target := req.GetTargetDevice()
-	logger.Info("installing image", "url", imageURL.Redacted(), "target", target)
+	target, err := checkTarget(req.GetTargetDevice(), cfg.FileTargetDirs)
+	if err != nil {
+		return err
+	}
+	defer target.close() // after a failure; success closes it and checks the error
+	logger.Info("installing image", "url", imageURL.Redacted(), "target", target.String())
 
 	staged, err := os.CreateTemp(cfg.WorkDir, "shepherd-image-*")
 	if err != nil {
@@ -219,6 +295,9 @@ func install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest
 		return fmt.Errorf("checksum mismatch: got %s, want %s", got, want)
 	}
 	logger.Info("image downloaded and verified", "bytes", size)
+	if target.size >= 0 && size > target.size {
+		return fmt.Errorf("image is %d bytes, larger than target %s (%d bytes): nothing was written", size, target, target.size)
+	}
 
 	// The digest above is of the bytes received, not of the bytes the
 	// staging file gives back. Check those too before the target is
@@ -234,24 +313,56 @@ func install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest
 	if err := writeTarget(ctx, staged, size, target); err != nil {
 		return err
 	}
-	if err := verifyTarget(ctx, target, size, want); err != nil {
+	if err := verifyTarget(ctx, target.f, target.String(), size, want); err != nil {
 		return err
+	}
+	if err := target.close(); err != nil {
+		return fmt.Errorf("closing %s after writing: %w", target, err)
 	}
 	return nil
 }
 
+// RequestOptions relax what CheckRequest accepts.
+type RequestOptions struct {
+	// FileTarget accepts a target outside /dev: a regular file, which an
+	// agent writes only under one of its Config.FileTargetDirs. For tests;
+	// off by default, so that a target typed without its /dev/ is refused
+	// at once.
+	FileTarget bool
+}
+
 // CheckRequest checks what an operator fills in when requesting an
 // installation (image URL, digest, target), so that a bad request is refused
-// before it reaches the BMDB. The generation is the BMDB's to assign and is
-// not checked.
-func CheckRequest(req *agentv1.OSInstallationRequest) error {
+// before it reaches the BMDB. The target must be a clean absolute path
+// under /dev (unless opts.FileTarget): whether it exists, and is a block
+// device, only the agent can tell. The generation is the BMDB's to assign
+// and is not checked.
+func CheckRequest(req *agentv1.OSInstallationRequest, opts RequestOptions) error {
 	if req == nil {
 		return errors.New("no request")
 	}
 	r := proto.CloneOf(req)
 	r.Generation = 1
 	_, err := validateRequest(r)
+	if err == nil {
+		err = checkTargetForm(r.GetTargetDevice(), opts)
+	}
 	return err
+}
+
+// checkTargetForm checks the form of an absolute target path for
+// CheckRequest.
+func checkTargetForm(target string, opts RequestOptions) error {
+	if clean := filepath.Clean(target); clean != target {
+		return fmt.Errorf("target_device %q is not a clean path (did you mean %q?)", target, clean)
+	}
+	if opts.FileTarget {
+		return nil
+	}
+	if dev, ok := strings.CutPrefix(target, "/dev/"); !ok || dev == "" {
+		return fmt.Errorf("target_device %q is not a device under /dev (such as /dev/sda or /dev/disk/by-id/NAME)", target)
+	}
+	return nil
 }
 
 // validateRequest checks req's fields and returns its parsed image URL.
@@ -401,78 +512,40 @@ func digest(ctx context.Context, r io.Reader, size int64) (string, int64, error)
 	return hex.EncodeToString(h.Sum(nil)), n, err
 }
 
-// openTarget opens the target for writing. A regular file is truncated (and
-// a missing one created) so that it ends up holding exactly the image; a
-// device is neither truncated nor created. Anything else is refused.
-func openTarget(target string) (*os.File, error) {
-	flags := os.O_WRONLY
-	fi, err := os.Stat(target)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		// O_EXCL: if something appeared there since Stat, do not write to
-		// it without checking what it is.
-		flags |= os.O_CREATE | os.O_EXCL
-	case err != nil:
-		return nil, err
-	case fi.Mode().IsRegular():
-		flags |= os.O_TRUNC
-	case fi.Mode()&fs.ModeDevice != 0:
-		// Block (or character) device: write in place.
-	default:
-		return nil, fmt.Errorf("%s is neither a device nor a regular file (mode %s)", target, fi.Mode())
+// writeTarget copies size bytes from the staged image to the start of the
+// target and fsyncs it, leaving it open for verifyTarget.
+func writeTarget(ctx context.Context, staged io.Reader, size int64, t *target) error {
+	if err := t.openForWriting(); err != nil {
+		return fmt.Errorf("writing image to %s: %w", t, err)
 	}
-	return os.OpenFile(target, flags, 0o600)
-}
-
-// writeTarget copies size bytes from the staged image to target, fsyncs and
-// closes it.
-func writeTarget(ctx context.Context, staged io.Reader, size int64, target string) (err error) {
-	f, err := openTarget(target)
-	if err != nil {
-		return fmt.Errorf("writing image to %s: opening target: %w", target, err)
-	}
-	closed := false
-	defer func() {
-		if !closed {
-			_ = f.Close() // an error was already returned
-		}
-	}()
-	// Hiding f's ReadFrom and the reader's type makes io.CopyBuffer use
+	// Hiding t.f's ReadFrom and the reader's type makes io.CopyBuffer use
 	// the large buffer, in chunks that are each checked for cancellation.
-	dst := struct{ io.Writer }{f}
+	dst := struct{ io.Writer }{t.f}
 	n, err := io.CopyBuffer(dst, ctxReader{ctx, io.LimitReader(staged, size)}, make([]byte, copyBufferSize))
 	if err != nil {
-		return fmt.Errorf("writing image to %s: after %d of %d bytes: %w", target, n, size, err)
+		return fmt.Errorf("writing image to %s: after %d of %d bytes: %w", t, n, size, err)
 	}
 	if n != size {
-		return fmt.Errorf("writing image to %s: staged image ended after %d of %d bytes", target, n, size)
+		return fmt.Errorf("writing image to %s: staged image ended after %d of %d bytes", t, n, size)
 	}
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("syncing %s: %w", target, err)
-	}
-	closed = true
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("closing %s after writing: %w", target, err)
+	if err := t.f.Sync(); err != nil {
+		return fmt.Errorf("syncing %s: %w", t, err)
 	}
 	return nil
 }
 
-// verifyTarget re-reads the first size bytes of target and checks that
-// their SHA-256 is want, catching short writes and bad devices.
-func verifyTarget(ctx context.Context, target string, size int64, want string) error {
-	f, err := os.Open(target)
-	if err != nil {
-		return fmt.Errorf("verifying %s after writing: %w", target, err)
-	}
-	defer f.Close() // read-only: nothing to lose
-	got, n, err := digest(ctx, f, size)
+// verifyTarget re-reads the first size bytes of the written target (named
+// name in messages) and checks that their SHA-256 is want, catching short
+// writes and bad devices.
+func verifyTarget(ctx context.Context, written io.ReaderAt, name string, size int64, want string) error {
+	got, n, err := digest(ctx, io.NewSectionReader(written, 0, size), size)
 	switch {
 	case err != nil:
-		return fmt.Errorf("verifying %s after writing: reading back after %d bytes: %w", target, n, err)
+		return fmt.Errorf("verifying %s after writing: reading back after %d bytes: %w", name, n, err)
 	case n != size:
-		return fmt.Errorf("verifying %s after writing: read back only %d of %d bytes", target, n, size)
+		return fmt.Errorf("verifying %s after writing: read back only %d of %d bytes", name, n, size)
 	case got != want:
-		return fmt.Errorf("verifying %s after writing: checksum mismatch: got %s, want %s", target, got, want)
+		return fmt.Errorf("verifying %s after writing: checksum mismatch: got %s, want %s", name, got, want)
 	}
 	return nil
 }

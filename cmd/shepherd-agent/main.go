@@ -61,6 +61,10 @@ func takeover(args []string, log *slog.Logger) int {
 	fs.DurationVar(&cfg.StdinTimeout, "stdin-timeout", 0, "how long to wait for the TakeoverInit on stdin (default 10s)")
 	fs.StringVar(&cfg.HardwareRoot, "hardware-root", "", "where /proc and /sys are read from (default /)")
 	fs.StringVar(&cfg.Install.WorkDir, "work-dir", "", "where images are staged while they download (default $TMPDIR)")
+	fs.Func("allow-file-target-dir", "directory under which an installation target may be a regular file instead of a block\ndevice, for tests; repeat for several (default none: block devices only)", func(dir string) error {
+		cfg.Install.FileTargetDirs = append(cfg.Install.FileTargetDirs, dir)
+		return nil
+	})
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}

@@ -23,13 +23,16 @@ func newInstallCommand() *cobra.Command {
 	db.bind(cmd)
 
 	var machine string
+	var opts install.RequestOptions
 	req := &agentv1.OSInstallationRequest{}
 	request := &cobra.Command{
 		Use:   "request",
 		Short: "Ask a machine's agent to install an image (a new generation)",
 		Long: "Stores an installation request under the machine's next generation. The agent picks it up\n" +
-			"with its next heartbeat, downloads the image, checks its SHA-256, writes it to the target\n" +
-			"device and reports; see `shepherd install status`.",
+			"with its next heartbeat, checks the target, downloads the image, checks its SHA-256, writes it\n" +
+			"to the target and reports; see `shepherd install status`. The target must be a block device\n" +
+			"path under /dev (such as /dev/sda or /dev/disk/by-id/NAME); the agent refuses one that does\n" +
+			"not exist, is not a block device, or is mounted or in use, before downloading anything.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			id, err := uuid.Parse(machine)
@@ -37,7 +40,7 @@ func newInstallCommand() *cobra.Command {
 				return fmt.Errorf("--machine %q is not a machine id (a UUID)", machine)
 			}
 			req.ImageSha256 = strings.ToLower(req.ImageSha256)
-			if err := install.CheckRequest(req); err != nil {
+			if err := install.CheckRequest(req, opts); err != nil {
 				return fmt.Errorf("invalid installation request: %w", err)
 			}
 			raw, err := proto.Marshal(req)
@@ -63,7 +66,8 @@ func newInstallCommand() *cobra.Command {
 	f.StringVar(&machine, "machine", "", "machine id (required)")
 	f.StringVar(&req.ImageUrl, "image-url", "", "http or https URL of the raw disk image (required)")
 	f.StringVar(&req.ImageSha256, "sha256", "", "hex SHA-256 of the image (required)")
-	f.StringVar(&req.TargetDevice, "target-device", "", "absolute path of the device to write the image to (required)")
+	f.StringVar(&req.TargetDevice, "target-device", "", "block device to write the image to, under /dev (required)")
+	f.BoolVar(&opts.FileTarget, "file-target", false, "accept a --target-device outside /dev: a regular file, for test machines whose agent\nwas started with --allow-file-target-dir covering it")
 	f.BoolVar(&req.RebootAfter, "reboot", false, "reboot the machine after a successful installation")
 	for _, name := range []string{"machine", "image-url", "sha256", "target-device"} {
 		_ = request.MarkFlagRequired(name)

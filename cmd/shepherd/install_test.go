@@ -48,6 +48,18 @@ func TestInstallRequest(t *testing.T) {
 			t.Logf("%s: %v", name, err)
 		}
 	}
+	// Targets that cannot be a device, refused with what is wrong.
+	for target, want := range map[string]string{
+		"/sda":               "not a device under /dev",
+		"/var/lib/disk.img":  "not a device under /dev",
+		"/dev//sda":          `did you mean "/dev/sda"`,
+		"/dev/../etc/passwd": "not a clean path",
+	} {
+		out, err := run(t, args(m.String(), "https://img.example/os.img", sha, target)...)
+		if err == nil || !strings.Contains(err.Error(), "target_device") || !strings.Contains(err.Error(), want) {
+			t.Errorf("target %s: %v, want an error mentioning %q:\n%s", target, err, want, out)
+		}
+	}
 	if in, err := db.GetInstallation(t.Context(), m); err != nil || in.RequestGeneration != 0 {
 		t.Fatalf("bad requests changed the installation: %+v, %v", in, err)
 	}
@@ -71,6 +83,15 @@ func TestInstallRequest(t *testing.T) {
 	out, err := run(t, "install", "status", "--database-url", db.URL, "--machine", m.String())
 	if err != nil || !strings.Contains(out, "generation 2") || !strings.Contains(out, "pending") {
 		t.Errorf("status: %v\n%s", err, out)
+	}
+
+	// A file target only when asked for explicitly.
+	out, err = run(t, append(args(m.String(), "https://img.example/os.img", sha, "/var/lib/shepherd/disk.img"), "--file-target")...)
+	if err != nil || !strings.Contains(out, "generation 3") {
+		t.Fatalf("request with --file-target: %v\n%s", err, out)
+	}
+	if in, err = db.GetInstallation(t.Context(), m); err != nil || proto.Unmarshal(in.Request, &req) != nil || req.GetTargetDevice() != "/var/lib/shepherd/disk.img" {
+		t.Errorf("stored request with --file-target: %v, %v", &req, err)
 	}
 }
 
