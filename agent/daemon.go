@@ -243,7 +243,7 @@ func (d *daemon) maybeInstall(ctx context.Context, ir *agentv1.OSInstallationReq
 	d.installing = true
 	d.reboot = ir.GetRebootAfter()
 	d.log.InfoContext(ctx, "installing", "generation", ir.GetGeneration(), "image_url", ir.GetImageUrl(), "target", ir.GetTargetDevice())
-	cfg := install.Config{WorkDir: d.cfg.WorkDir, Logger: d.log}
+	cfg := install.Config{WorkDir: d.cfg.WorkDir, FileTargetDirs: d.cfg.FileTargetDirs, Logger: d.log}
 	go func() { d.done <- install.Install(ctx, cfg, ir) }()
 }
 

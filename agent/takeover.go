@@ -44,8 +44,7 @@ type daemonConfig struct {
 	MaxBackoff    time.Duration `json:"max_backoff"`
 	HardwareRoot  string        `json:"hardware_root"`
 	WorkDir       string        `json:"work_dir"`
-	// FileTargetDirs is Config.Install.FileTargetDirs; the daemon's
-	// install.Config must carry it (see daemon.go's maybeInstall).
+	// FileTargetDirs is Config.Install.FileTargetDirs.
 	FileTargetDirs []string `json:"file_target_dirs,omitempty"`
 }
 
@@ -103,8 +102,9 @@ func takeover(ctx context.Context, cfg Config, executable string, stdin io.Reade
 		MaxBackoff:    cfg.MaxBackoff,
 		HardwareRoot:  cfg.HardwareRoot,
 		WorkDir:       cfg.Install.WorkDir,
+
+		FileTargetDirs: cfg.Install.FileTargetDirs,
 	}
-	dc.FileTargetDirs = cfg.Install.FileTargetDirs
 	if err := startDaemon(ctx, executable, dc); err != nil {
 		return takeoverError("starting the agent daemon: %v", err)
 	}
