@@ -174,12 +174,13 @@ func (t *Tx) RequestDecommission(ctx context.Context, machine uuid.UUID, by, rea
 // in the database (machine_agent_phase); candidate queries read it.
 type AgentPhase string
 
-// Agent phases.
+// Agent phases. They follow the agent's tags only: an installation does not
+// end the watch on a machine (an installed machine that falls silent is
+// silent), so "installed" is a derived state, not a phase.
 const (
 	AgentPhaseAwaitingAgent          AgentPhase = "AwaitingAgent"
 	AgentPhaseAwaitingFirstHeartbeat AgentPhase = "AwaitingFirstHeartbeat"
 	AgentPhaseHeartbeating           AgentPhase = "Heartbeating"
-	AgentPhaseInstalled              AgentPhase = "Installed"
 )
 
 // ProvidedMachine is a machine's Provided tag and its derived agent phase.

@@ -274,7 +274,7 @@ func TestDecommissionUnreleasedSimMachine(t *testing.T) {
 		t.Errorf("record %+v says released, the provider cannot release", rec)
 	}
 	rejected := func() float64 {
-		return counter(t, f.reg, "shepherd_server_heartbeats_rejected_total", "reason=unauthenticated")
+		return counter(t, f.reg, "shepherd_server_heartbeats_rejected_total", "reason=retired")
 	}
 	before := rejected()
 	bmdbtest.WaitFor(t, 30*time.Second, "the agent's heartbeats refused", func(context.Context) (bool, error) {

@@ -318,3 +318,87 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) fl
 	}
 	return 0
 }
+
+// TestDatabaseOutageIsNotSilence: while the server cannot record heartbeats
+// (its database black-holes), the agents' silence is the server's doing and
+// must not make any machine a recovery candidate, neither during the outage
+// nor for a heartbeat timeout after it (issue 10 item 10: a 20 s outage
+// with a 15 s timeout rebooted a healthy machine).
+func TestDatabaseOutageIsNotSilence(t *testing.T) {
+	t.Parallel()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	direct, err := bmdb.Open(t.Context(), bmdb.Config{URL: db.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close()
+	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := srv.Listen()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	e := &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}
+	id, key := e.machine()
+	c := e.client(id, key)
+	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: id.String()}); err != nil {
+		t.Fatal(err)
+	}
+	bmdbtest.WaitFor(t, 10*time.Second, "the server registers as a heartbeat recorder", func(ctx context.Context) (bool, error) {
+		var n int64
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM heartbeat_recorders`).Scan(&n)
+		return n == 1, err
+	})
+	// Make history: the server has recorded fine for a day, and the
+	// machine's last heartbeat is an hour old, so it is silent.
+	db.Exec(t, `UPDATE heartbeat_recorders SET ok_since = now() - interval '1 day'`)
+	db.Exec(t, `UPDATE machine_agent_heartbeat SET agent_heartbeat_at = now() - interval '1 hour'`)
+	candidates := func() int64 {
+		n, err := direct.CountMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := candidates(); n != 1 {
+		t.Fatalf("a machine silent for an hour with the server recording fine: %d candidates, want 1", n)
+	}
+
+	proxy.SetMode(tcpproxy.Blackhole)
+	rctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	_, err = c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id.String()}))
+	cancel()
+	if connect.CodeOf(err) != connect.CodeUnavailable {
+		t.Fatalf("heartbeat while the database black-holes: %v, want Unavailable", err)
+	}
+	bmdbtest.WaitFor(t, 20*time.Second, "the outage holds recovery back", func(context.Context) (bool, error) {
+		return candidates() == 0, nil
+	})
+
+	proxy.SetMode(tcpproxy.Pass)
+	bmdbtest.WaitFor(t, 20*time.Second, "the server checks in again, restarting its window", func(ctx context.Context) (bool, error) {
+		var ok bool
+		err := db.Pool.QueryRow(ctx, `SELECT bool_and(checked_at > now() - interval '2 seconds' AND ok_since > now() - interval '1 minute')
+			FROM heartbeat_recorders r JOIN sessions s USING (session_id) WHERE s.closed_at IS NULL AND s.deadline > now()`).Scan(&ok)
+		return ok, err
+	})
+	if n := candidates(); n != 0 {
+		t.Errorf("right after the outage: %d candidates, want 0 until a heartbeat timeout of good recording has passed", n)
+	}
+
+	stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("the server did not stop")
+	}
+}

@@ -133,6 +133,9 @@ type Server struct {
 	verified *verifiedKeys
 	// throttle bounds the log lines about rejected requests.
 	throttle *logThrottle
+	// recorder tells recovery when this server could not record
+	// heartbeats, so that silence it caused does not count.
+	recorder *bmdb.HeartbeatRecorder
 
 	mu       sync.Mutex
 	listener net.Listener
@@ -178,6 +181,8 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 		return nil, err
 	}
 	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, cfg.FlushTimeout, m)
+	s.recorder = db.NewHeartbeatRecorder(s.log)
+	s.batch.failed = func(error) { s.recorder.Failed() }
 	return s, nil
 }
 
@@ -266,6 +271,15 @@ func (s *Server) Run(ctx context.Context) error {
 		defer close(batchDone)
 		s.batch.run(batchCtx)
 	}()
+	// The recorder's session ends with the server: once the server stops,
+	// its agents' silence is no longer its own doing but real.
+	recorderDone := make(chan struct{})
+	go func() {
+		defer close(recorderDone)
+		if err := s.recorder.Run(batchCtx); err != nil {
+			s.log.ErrorContext(ctx, "heartbeat recorder stopped", "err", err)
+		}
+	}()
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- gs.Serve(s.listener) }()
 	s.log.InfoContext(ctx, "callback server listening", "addr", addr.String())
@@ -290,6 +304,7 @@ func (s *Server) Run(ctx context.Context) error {
 	// Handlers have returned: nothing waits on the batcher any more.
 	stopBatch()
 	<-batchDone
+	<-recorderDone
 	if runErr == nil {
 		if err := <-serveErr; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			runErr = fmt.Errorf("server: serving: %w", err)

@@ -58,8 +58,8 @@ type Fleet struct {
 	Healthy int
 	// Stale machines are healthy ones whose last heartbeat is a day old.
 	Stale int
-	// Installed machines are stale ones whose installation succeeded: their
-	// agents are gone for good.
+	// Installed machines are stale ones whose installation succeeded: they
+	// rebooted into their new OS and their agents are silent.
 	Installed int
 	// AwaitingAgent machines are provided only.
 	AwaitingAgent int

@@ -1,6 +1,7 @@
 -- AgentStart: provided machines whose agent was never started (or was
--- cleared by recovery) and that are not installed, longest waiting first.
--- agent_phase encodes "no AgentStarted, not installed" and is served by the
+-- cleared by recovery), longest waiting first; installed machines too, so
+-- that one recovered after it fell silent is taken over again. agent_phase
+-- encodes "no AgentStarted" and is served by the
 -- machine_provided_awaiting_agent partial index. Machines the provider
 -- reports as not up (still provisioning, failed, stopped, gone) are left
 -- until the updater sees them running: an attempt could only fail and back

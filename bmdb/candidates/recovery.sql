@@ -1,9 +1,18 @@
--- Recovery: started, not installed machines whose agent is silent, longest
--- silent first: either no heartbeat arrived within first_heartbeat_timeout of
--- the start, or the last heartbeat is older than heartbeat_timeout. The arms
--- read the partial indexes machine_provided_awaiting_first_heartbeat (whose
--- phase began when AgentStarted was set, so it bounds the start time) and
+-- Recovery: started machines whose agent is silent, longest silent first:
+-- either no heartbeat arrived within first_heartbeat_timeout of the start,
+-- or the last heartbeat is older than heartbeat_timeout. An installed
+-- machine is no exception: one that stopped heartbeating (it rebooted into
+-- an OS without the agent, or died) is silent. The arms read the partial
+-- indexes machine_provided_awaiting_first_heartbeat (whose phase began when
+-- AgentStarted was set, so it bounds the start time) and
 -- machine_agent_heartbeat_watched, so only silent machines are visited.
+--
+-- Silence that overlaps the callback servers' own inability to record
+-- heartbeats does not count: no machine is silent while a heartbeat
+-- recorder (re)started recording within the heartbeat timeout, misses its
+-- check-ins (it cannot write now), or died without closing its session
+-- within the timeout (migration 00013). The condition does not depend on
+-- the machine, so PostgreSQL evaluates it once per query.
 SELECT p.machine_id, p.agent_phase_since AS since
 FROM machine_provided p
 JOIN machine_agent_started s ON s.machine_id = p.machine_id
@@ -11,6 +20,12 @@ WHERE p.provider = @provider
   AND p.agent_phase = 'AwaitingFirstHeartbeat'
   AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+  AND NOT EXISTS (
+      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+      WHERE rs.closed_at IS NULL
+        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 UNION ALL
 SELECT h.machine_id, h.agent_heartbeat_at AS since
 FROM machine_agent_heartbeat h
@@ -18,3 +33,9 @@ JOIN machine_provided p ON p.machine_id = h.machine_id
 WHERE h.watched
   AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
   AND p.provider = @provider
+  AND NOT EXISTS (
+      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+      WHERE rs.closed_at IS NULL
+        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))

@@ -575,6 +575,12 @@ WITH candidate AS (
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
         SELECT h.machine_id, h.agent_heartbeat_at AS since
         FROM machine_agent_heartbeat h
@@ -582,6 +588,12 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -734,6 +746,12 @@ WITH candidate AS (
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
         SELECT h.machine_id, h.agent_heartbeat_at AS since
         FROM machine_agent_heartbeat h
@@ -741,6 +759,12 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -994,6 +1018,12 @@ FROM (
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
         SELECT h.machine_id, h.agent_heartbeat_at AS since
         FROM machine_agent_heartbeat h
@@ -1001,6 +1031,12 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1051,6 +1087,12 @@ FROM (
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
         SELECT h.machine_id, h.agent_heartbeat_at AS since
         FROM machine_agent_heartbeat h
@@ -1058,6 +1100,12 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 ) c
 `
 
@@ -1117,8 +1165,9 @@ type ListAgentStartCandidatesParams struct {
 
 // Code generated by gencandidates from bmdb/candidates. DO NOT EDIT.
 // AgentStart: provided machines whose agent was never started (or was
-// cleared by recovery) and that are not installed, longest waiting first.
-// agent_phase encodes "no AgentStarted, not installed" and is served by the
+// cleared by recovery), longest waiting first; installed machines too, so
+// that one recovered after it fell silent is taken over again. agent_phase
+// encodes "no AgentStarted" and is served by the
 // machine_provided_awaiting_agent partial index. Machines the provider
 // reports as not up (still provisioning, failed, stopped, gone) are left
 // until the updater sees them running: an attempt could only fail and back
@@ -1222,6 +1271,12 @@ FROM (
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
         SELECT h.machine_id, h.agent_heartbeat_at AS since
         FROM machine_agent_heartbeat h
@@ -1229,6 +1284,12 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1259,12 +1320,21 @@ type ListRecoveryCandidatesParams struct {
 	RowLimit                int32
 }
 
-// Recovery: started, not installed machines whose agent is silent, longest
-// silent first: either no heartbeat arrived within first_heartbeat_timeout of
-// the start, or the last heartbeat is older than heartbeat_timeout. The arms
-// read the partial indexes machine_provided_awaiting_first_heartbeat (whose
-// phase began when AgentStarted was set, so it bounds the start time) and
+// Recovery: started machines whose agent is silent, longest silent first:
+// either no heartbeat arrived within first_heartbeat_timeout of the start,
+// or the last heartbeat is older than heartbeat_timeout. An installed
+// machine is no exception: one that stopped heartbeating (it rebooted into
+// an OS without the agent, or died) is silent. The arms read the partial
+// indexes machine_provided_awaiting_first_heartbeat (whose phase began when
+// AgentStarted was set, so it bounds the start time) and
 // machine_agent_heartbeat_watched, so only silent machines are visited.
+//
+// Silence that overlaps the callback servers' own inability to record
+// heartbeats does not count: no machine is silent while a heartbeat
+// recorder (re)started recording within the heartbeat timeout, misses its
+// check-ins (it cannot write now), or died without closing its session
+// within the timeout (migration 00013). The condition does not depend on
+// the machine, so PostgreSQL evaluates it once per query.
 func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listRecoveryCandidates,
 		arg.Provider,

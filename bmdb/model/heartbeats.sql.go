@@ -232,6 +232,40 @@ func (q *Queries) HeartbeatRecord(ctx context.Context, arg HeartbeatRecordParams
 	return items, nil
 }
 
+const heartbeatRecorderCheckIn = `-- name: HeartbeatRecorderCheckIn :execrows
+UPDATE heartbeat_recorders
+SET checked_at = now(),
+    ok_since = CASE WHEN $1::boolean THEN now() ELSE ok_since END
+WHERE session_id = $2
+`
+
+type HeartbeatRecorderCheckInParams struct {
+	Recovered bool
+	SessionID uuid.UUID
+}
+
+// HeartbeatRecorderCheckIn confirms that a recorder can write; recovered
+// says it could not before, so its silence window starts again now.
+func (q *Queries) HeartbeatRecorderCheckIn(ctx context.Context, arg HeartbeatRecorderCheckInParams) (int64, error) {
+	result, err := q.db.Exec(ctx, heartbeatRecorderCheckIn, arg.Recovered, arg.SessionID)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const heartbeatRecorderRegister = `-- name: HeartbeatRecorderRegister :exec
+INSERT INTO heartbeat_recorders (session_id) VALUES ($1)
+ON CONFLICT (session_id) DO UPDATE SET ok_since = now(), checked_at = now()
+`
+
+// HeartbeatRecorderRegister registers the session of a callback server as a
+// heartbeat recorder that starts recording now (migration 00013).
+func (q *Queries) HeartbeatRecorderRegister(ctx context.Context, sessionID uuid.UUID) error {
+	_, err := q.db.Exec(ctx, heartbeatRecorderRegister, sessionID)
+	return err
+}
+
 const heartbeatRetired = `-- name: HeartbeatRetired :many
 SELECT r.ordinal::integer AS ordinal
 FROM (

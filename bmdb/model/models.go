@@ -25,6 +25,12 @@ type DecommissionedMachine struct {
 	AgentPublicKey        []byte
 }
 
+type HeartbeatRecorder struct {
+	SessionID uuid.UUID
+	OkSince   time.Time
+	CheckedAt time.Time
+}
+
 type Machine struct {
 	MachineID        uuid.UUID
 	CreatedAt        time.Time

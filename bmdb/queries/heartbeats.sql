@@ -121,3 +121,17 @@ WHERE machine_id = @machine_id;
 -- name: AgentKeyList :many
 -- AgentKeyList returns every machine's current agent key.
 SELECT machine_id, agent_public_key FROM machine_agent_started;
+
+-- name: HeartbeatRecorderRegister :exec
+-- HeartbeatRecorderRegister registers the session of a callback server as a
+-- heartbeat recorder that starts recording now (migration 00013).
+INSERT INTO heartbeat_recorders (session_id) VALUES (@session_id)
+ON CONFLICT (session_id) DO UPDATE SET ok_since = now(), checked_at = now();
+
+-- name: HeartbeatRecorderCheckIn :execrows
+-- HeartbeatRecorderCheckIn confirms that a recorder can write; recovered
+-- says it could not before, so its silence window starts again now.
+UPDATE heartbeat_recorders
+SET checked_at = now(),
+    ok_since = CASE WHEN @recovered::boolean THEN now() ELSE ok_since END
+WHERE session_id = @session_id;
