@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -43,9 +44,19 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 	if err := bmdbtest.BuildFleet(ctx, pool, bmdbtest.Fleet{Provider: "new", AwaitingAgent: 20_000}); err != nil {
 		return err
 	}
+	// A provider with half as many machines as p, nearly all waiting in
+	// backoff: 50,000 awaiting their agent of which all but 10 failed agent
+	// start, and 2,000 silent of which all but 10 failed recovery (issue 10
+	// item 20). Held machines must not be read by any statement.
+	held := bmdbtest.Fleet{Provider: "held", AwaitingAgent: 50_000, AgentStartHeld: 50_000 - 10, Stale: 2000, RecoveryHeld: 2000 - 10}
+	if err := bmdbtest.BuildFleet(ctx, pool, held); err != nil {
+		return err
+	}
 
 	agentStart := bmdb.AgentStartCandidates("p")
 	recovery := bmdb.RecoveryCandidates("p", 0, 0)
+	heldStart := bmdb.AgentStartCandidates("held")
+	heldRecovery := bmdb.RecoveryCandidates("held", 0, 0)
 	type probe struct {
 		name string
 		run  func() error
@@ -67,6 +78,22 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 			_, err := db.CountCandidates(ctx, bmdb.ProcessRecovery, recovery)
 			return err
 		}},
+		{"backed_off_agent_start_list", func() error {
+			_, err := db.ListCandidates(ctx, bmdb.ProcessAgentStart, heldStart, 16)
+			return err
+		}},
+		{"backed_off_agent_start_count", func() error {
+			_, err := db.CountCandidates(ctx, bmdb.ProcessAgentStart, heldStart)
+			return err
+		}},
+		{"backed_off_recovery_list", func() error {
+			_, err := db.ListCandidates(ctx, bmdb.ProcessRecovery, heldRecovery, 16)
+			return err
+		}},
+		{"backed_off_recovery_count", func() error {
+			_, err := db.CountCandidates(ctx, bmdb.ProcessRecovery, heldRecovery)
+			return err
+		}},
 	}
 	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench"})
 	if err != nil {
@@ -82,8 +109,16 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 		}
 		return w.Cancel(ctx)
 	}})
+	// The same among the 10 free machines of the backed-off provider.
+	probes = append(probes, probe{"backed_off_claim", func() error {
+		w, err := s.Work(ctx, bmdb.ProcessAgentStart, heldStart)
+		if err != nil {
+			return err
+		}
+		return w.Cancel(ctx)
+	}})
 
-	var worst, worstP50 float64
+	var worst, worstP50, claimWorst float64
 	var kv []any
 	for _, p := range probes {
 		lat := make([]time.Duration, 0, p3Iterations)
@@ -99,15 +134,19 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 		slices.Sort(lat)
 		p50, p99 := ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
 		kv = append(kv, p.name+"_p99_ms", p99)
-		if p.name == "takeover_claim" {
-			continue // a claim is two transactions, not a candidate query
+		if strings.HasSuffix(p.name, "_claim") {
+			// A claim is two transactions, not a candidate query; its
+			// p99 is reported and held to the limit on its own below.
+			claimWorst = max(claimWorst, p99)
+			continue
 		}
 		if p99 > worst {
 			worst, worstP50 = p99, p50
 		}
 	}
 	args := append([]any{"limit", p3LimitMs, "limit_ratio", worst / p3LimitMs, "p50_ms", worstP50,
-		"machines", p3Machines, "candidates", 55}, kv...)
+		"machines", p3Machines, "candidates", 55, "claim_p99_ms", claimWorst, "claim_limit_ratio", claimWorst / p3LimitMs,
+		"backed_off_machines", held.AgentStartHeld + held.RecoveryHeld}, kv...)
 	report("P3", "candidate_query_p99_ms", worst, args...)
 	return nil
 }

@@ -211,6 +211,13 @@ type QueryPlan struct {
 // list, count and claim statements of c, without running them. Operators use
 // it to check that a candidate query reads only its partial indexes.
 func (db *DB) ExplainCandidates(ctx context.Context, process Process, c Candidates) ([]QueryPlan, error) {
+	return db.explainCandidates(ctx, process, c, "EXPLAIN ")
+}
+
+// explainCandidates runs explain (an EXPLAIN with its options) on the
+// statements of c. The claim is explained for no session, so even EXPLAIN
+// ANALYZE claims nothing.
+func (db *DB) explainCandidates(ctx context.Context, process Process, c Candidates, explain string) ([]QueryPlan, error) {
 	if err := process.Validate(); err != nil {
 		return nil, err
 	}
@@ -231,7 +238,7 @@ func (db *DB) ExplainCandidates(ctx context.Context, process Process, c Candidat
 		if err := st.run(model.New(&capt)); !errors.Is(err, errCaptured) {
 			return nil, fmt.Errorf("bmdb: capturing the %s statement of %s: %v", st.name, c, err)
 		}
-		rows, err := db.pool.Query(ctx, "EXPLAIN "+capt.sql, capt.args...)
+		rows, err := db.pool.Query(ctx, explain+capt.sql, capt.args...)
 		if err != nil {
 			return nil, fmt.Errorf("bmdb: explaining the %s statement of %s: %w", st.name, c, err)
 		}

@@ -116,7 +116,9 @@ func TestCandidateQueries(t *testing.T) {
 		{"stopped at the provider", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusStopped) }, false, false},
 		{"missing at the provider", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusMissing) }, false, false},
 		{"provider status unknown", "p", func(id uuid.UUID) { f.status(id, bmdb.ProviderStatusUnknown) }, true, false},
-		{"installed, never started", "p", func(id uuid.UUID) { f.install(id, 1, 1, true) }, false, false},
+		// Issue 10 item 22: an installation does not end the watch; an
+		// installed machine whose agent was cleared is taken over again.
+		{"installed, never started", "p", func(id uuid.UUID) { f.install(id, 1, 1, true) }, true, false},
 		{"decommission requested", "p", func(id uuid.UUID) {
 			f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.RequestDecommission(ctx, id, "test", "gone") })
 		}, false, false},
@@ -144,8 +146,9 @@ func TestCandidateQueries(t *testing.T) {
 			f.started(id, hour)
 			f.backoff(id, bmdb.ProcessRecovery, -min, true)
 		}, false, false},
-		{"stale, installed", "p", func(id uuid.UUID) { f.started(id, hour); f.heartbeat(id, hour); f.install(id, 1, 1, true) }, false, false},
-		{"never came, installed", "p", func(id uuid.UUID) { f.started(id, hour); f.install(id, 1, 1, true) }, false, false},
+		{"stale, installed", "p", func(id uuid.UUID) { f.started(id, hour); f.heartbeat(id, hour); f.install(id, 1, 1, true) }, false, true},
+		{"never came, installed", "p", func(id uuid.UUID) { f.started(id, hour); f.install(id, 1, 1, true) }, false, true},
+		{"fresh, installed", "p", func(id uuid.UUID) { f.started(id, hour); f.heartbeat(id, min); f.install(id, 1, 1, true) }, false, false},
 		{"stale, install failed", "p", func(id uuid.UUID) { f.started(id, hour); f.heartbeat(id, hour); f.install(id, 1, 1, false) }, false, true},
 		{"stale, installed an older generation", "p", func(id uuid.UUID) {
 			f.started(id, hour)
@@ -231,7 +234,7 @@ func TestCandidateQueries(t *testing.T) {
 	// hours, a machine started an hour ago is not silent yet.
 	var wantLonger []uuid.UUID
 	for _, id := range wantRecovery {
-		if names[id] != "started long ago, heartbeat never came" {
+		if n := names[id]; n != "started long ago, heartbeat never came" && n != "never came, installed" {
 			wantLonger = append(wantLonger, id)
 		}
 	}
@@ -244,7 +247,8 @@ func TestCandidateQueries(t *testing.T) {
 		t.Errorf("%d machines have a stored agent_phase that differs from their tags", n)
 	}
 	if n := bmdbtest.Scalar[int64](t, db, `SELECT count(*) FROM machine_agent_heartbeat
-		WHERE watched IS DISTINCT FROM (machine_agent_phase(machine_id) = 'Heartbeating')`); n != 0 {
+		JOIN machine_provided p USING (machine_id)
+		WHERE watched IS DISTINCT FROM (machine_agent_phase(machine_id) = 'Heartbeating' AND p.recovery_held_until IS NULL)`); n != 0 {
 		t.Errorf("%d heartbeats have a watched flag that differs from their tags", n)
 	}
 

@@ -28,6 +28,9 @@ var perMachineTables = []string{
 // one of them without an index condition reads only candidates.
 var candidateIndexes = []string{
 	"machine_provided_awaiting_agent", "machine_provided_awaiting_first_heartbeat", "machine_agent_heartbeat_watched",
+	// Machines held by a backoff or quarantine (migration 00014): bounded by
+	// the failures in flight, not by the fleet.
+	"machine_provided_recovery_held",
 }
 
 var scanLine = regexp.MustCompile(`(Seq Scan|Index Scan|Index Only Scan|Bitmap Index Scan|Bitmap Heap Scan)(?: Backward)?(?: using (\S+))? on (\S+)`)

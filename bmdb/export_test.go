@@ -45,3 +45,10 @@ func (db *DB) explainCaptured(ctx context.Context, run func(q *model.Queries) er
 	}
 	return strings.Join(lines, "\n"), nil
 }
+
+// ExplainAnalyzeCandidates is ExplainCandidates with EXPLAIN (ANALYZE,
+// BUFFERS): the statements run (the claim for no session, claiming
+// nothing) and the plans say how many buffers they touched.
+func (db *DB) ExplainAnalyzeCandidates(ctx context.Context, process Process, c Candidates) ([]QueryPlan, error) {
+	return db.explainCandidates(ctx, process, c, "EXPLAIN (ANALYZE, BUFFERS) ")
+}

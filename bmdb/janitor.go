@@ -149,3 +149,20 @@ func (db *DB) SweepDecommissioned(ctx context.Context, window time.Duration) (in
 	}
 	return n, nil
 }
+
+// ReleaseRecoveredHolds deletes the ended Recovery backoffs of machines
+// that heartbeat again on their own (history Reset says so) and returns how
+// many it deleted. A machine's ended hold keeps it in the index range every
+// recovery claim reads until then; quarantines stay.
+func (db *DB) ReleaseRecoveredHolds(ctx context.Context) (int64, error) {
+	var n int64
+	err := db.retry(ctx, func(ctx context.Context) error {
+		var err error
+		n, err = db.q.RecoveryHoldsRelease(ctx)
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("bmdb: releasing recovery backoffs of machines that heartbeat again: %w", err)
+	}
+	return n, nil
+}

@@ -72,9 +72,20 @@ var stateCases = []stateCase{
 	}, bmdb.StateInstalling},
 	{"installed", func(f fixture, id uuid.UUID) {
 		f.started(id, time.Hour)
-		f.heartbeat(id, time.Hour) // installed agents are gone for good: not Silent
+		f.heartbeat(id, time.Minute)
 		f.install(id, 1, 1, true)
 	}, bmdb.StateInstalled},
+	// Issue 10 item 22: a machine that rebooted into its new OS and stopped
+	// heartbeating is silent, not Installed for ever.
+	{"installed and silent", func(f fixture, id uuid.UUID) {
+		f.started(id, time.Hour)
+		f.heartbeat(id, time.Hour)
+		f.install(id, 1, 1, true)
+	}, bmdb.StateSilent},
+	{"installed, never heartbeated since its new agent started", func(f fixture, id uuid.UUID) {
+		f.install(id, 1, 1, true)
+		f.started(id, 2*time.Hour)
+	}, bmdb.StateSilent},
 	{"installation failed", func(f fixture, id uuid.UUID) {
 		f.started(id, time.Hour)
 		f.heartbeat(id, time.Minute)

@@ -58,13 +58,16 @@ type Fleet struct {
 	Healthy int
 	// Stale machines are healthy ones whose last heartbeat is a day old.
 	Stale int
-	// Installed machines are stale ones whose installation succeeded: they
-	// rebooted into their new OS and their agents are silent.
+	// Installed machines are healthy ones whose installation succeeded.
 	Installed int
 	// AwaitingAgent machines are provided only.
 	AwaitingAgent int
 	// NeverHeartbeat machines got AgentStarted a day ago and never a heartbeat.
 	NeverHeartbeat int
+	// AgentStartHeld of the AwaitingAgent machines failed agent start and
+	// back off for an hour; RecoveryHeld of the Stale ones failed recovery
+	// and back off for an hour.
+	AgentStartHeld, RecoveryHeld int
 }
 
 // BuildFleet adds the fleet f with a few set-based statements (adding
@@ -99,7 +102,7 @@ func BuildFleet(ctx context.Context, pool *pgxpool.Pool, f Fleet) error {
 			SELECT machine_id, now() FROM machine_provided
 			WHERE provider = $2 AND agent_phase = 'AwaitingFirstHeartbeat'
 			LIMIT $1`},
-		{f.Stale + f.Installed, `
+		{f.Stale, `
 			UPDATE machine_agent_heartbeat SET agent_heartbeat_at = now() - interval '1 day'
 			WHERE machine_id IN (
 				SELECT h.machine_id FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
@@ -108,13 +111,25 @@ func BuildFleet(ctx context.Context, pool *pgxpool.Pool, f Fleet) error {
 		{f.Installed, `
 			INSERT INTO machine_os_installation_request (machine_id, generation, os_installation_request_raw)
 			SELECT h.machine_id, 1, '\x00' FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
-			WHERE p.provider = $2 AND h.agent_heartbeat_at < now() - interval '1 hour'
+			WHERE p.provider = $2 AND h.agent_heartbeat_at > now() - interval '1 hour'
 			LIMIT $1`},
 		{f.Installed, `
 			INSERT INTO machine_os_installation_report (machine_id, generation, success, os_installation_report_raw)
 			SELECT q.machine_id, q.generation, true, '\x00'
 			FROM machine_os_installation_request q JOIN machine_provided p USING (machine_id)
 			WHERE p.provider = $2 AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report r WHERE r.machine_id = q.machine_id)
+			LIMIT $1`},
+		{f.AgentStartHeld, `
+			INSERT INTO work_backoff (machine_id, process, backoff_until, cause, last_interval_ms, attempts)
+			SELECT machine_id, 'AgentStart', now() + interval '1 hour', 'fleet: held', 3600000, 5
+			FROM machine_provided WHERE provider = $2 AND agent_phase = 'AwaitingAgent'
+			LIMIT $1`},
+		{f.RecoveryHeld, `
+			INSERT INTO work_backoff (machine_id, process, backoff_until, cause, last_interval_ms, attempts)
+			SELECT h.machine_id, 'Recovery', now() + interval '1 hour', 'fleet: held', 3600000, 5
+			FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
+			WHERE p.provider = $2 AND h.agent_heartbeat_at < now() - interval '1 hour'
+			  AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request q WHERE q.machine_id = h.machine_id)
 			LIMIT $1`},
 	}
 	for _, st := range steps {

@@ -1,13 +1,19 @@
 -- AgentStart: provided machines whose agent was never started (or was
 -- cleared by recovery), longest waiting first; installed machines too, so
 -- that one recovered after it fell silent is taken over again. agent_phase
--- encodes "no AgentStarted" and is served by the
--- machine_provided_awaiting_agent partial index. Machines the provider
--- reports as not up (still provisioning, failed, stopped, gone) are left
--- until the updater sees them running: an attempt could only fail and back
--- off for minutes.
-SELECT p.machine_id, p.agent_phase_since AS since
+-- encodes "no AgentStarted". Machines the provider reports as not up (still
+-- provisioning, failed, stopped, gone) are left until the updater sees them
+-- running: an attempt could only fail and back off for minutes.
+--
+-- since is when the machine became a candidate: the start of its phase, or
+-- the end of its AgentStart backoff if that is later (a quarantine holds
+-- until 'infinity'; migration 00014). The partial index
+-- machine_provided_awaiting_agent is keyed by it, so the range up to now()
+-- holds exactly the machines not held, in order, and a claim never reads a
+-- machine that waits in backoff.
+SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
 FROM machine_provided p
 WHERE p.provider = @provider
   AND p.agent_phase = 'AwaitingAgent'
   AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+  AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now() -- +gencandidates:not-in-matching

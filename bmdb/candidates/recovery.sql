@@ -2,10 +2,16 @@
 -- either no heartbeat arrived within first_heartbeat_timeout of the start,
 -- or the last heartbeat is older than heartbeat_timeout. An installed
 -- machine is no exception: one that stopped heartbeating (it rebooted into
--- an OS without the agent, or died) is silent. The arms read the partial
--- indexes machine_provided_awaiting_first_heartbeat (whose phase began when
--- AgentStarted was set, so it bounds the start time) and
--- machine_agent_heartbeat_watched, so only silent machines are visited.
+-- an OS without the agent, or died) is silent. The first two arms read the
+-- partial indexes machine_provided_awaiting_first_heartbeat (whose phase
+-- began when AgentStarted was set, so it bounds the start time) and
+-- machine_agent_heartbeat_watched (on the heartbeat time of watched
+-- machines, an expression, for its statistics), so only silent machines are
+-- visited.
+-- Machines in Recovery backoff or quarantine are held (migration 00014) and
+-- in neither index; the third arm reads them from
+-- machine_provided_recovery_held in order of the end of their hold, only
+-- those whose hold has ended.
 --
 -- Silence that overlaps the callback servers' own inability to record
 -- heartbeats does not count: no machine is silent while a heartbeat
@@ -18,6 +24,7 @@ FROM machine_provided p
 JOIN machine_agent_started s ON s.machine_id = p.machine_id
 WHERE p.provider = @provider
   AND p.agent_phase = 'AwaitingFirstHeartbeat'
+  AND p.recovery_held_until IS NULL
   AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND NOT EXISTS (
@@ -27,12 +34,31 @@ WHERE p.provider = @provider
              OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
                  AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 UNION ALL
-SELECT h.machine_id, h.agent_heartbeat_at AS since
+SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
 FROM machine_agent_heartbeat h
 JOIN machine_provided p ON p.machine_id = h.machine_id
-WHERE h.watched
-  AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
   AND p.provider = @provider
+  AND NOT EXISTS (
+      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+      WHERE rs.closed_at IS NULL
+        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+UNION ALL
+SELECT p.machine_id, p.recovery_held_until AS since
+FROM machine_provided p
+WHERE p.provider = @provider
+  AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+  AND p.recovery_held_until IS NOT NULL
+  AND p.recovery_held_until <= now() -- +gencandidates:not-in-matching
+  AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+        AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+        AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                      AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+       OR (p.agent_phase = 'Heartbeating'
+        AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                      AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
   AND NOT EXISTS (
       SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
       WHERE rs.closed_at IS NULL

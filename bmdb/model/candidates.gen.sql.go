@@ -20,11 +20,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -166,11 +167,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -573,6 +575,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -582,12 +585,31 @@ WITH candidate AS (
                      OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -744,6 +766,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -753,12 +776,31 @@ WITH candidate AS (
                      OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -891,11 +933,12 @@ func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimReco
 const countAgentStartCandidates = `-- name: CountAgentStartCandidates :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -931,7 +974,7 @@ func (q *Queries) CountAgentStartCandidates(ctx context.Context, arg CountAgentS
 const countAgentStartMatching = `-- name: CountAgentStartMatching :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
@@ -1016,6 +1059,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1025,12 +1069,31 @@ FROM (
                      OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1085,6 +1148,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1094,12 +1158,30 @@ FROM (
                      OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1130,11 +1212,12 @@ const listAgentStartCandidates = `-- name: ListAgentStartCandidates :many
 
 SELECT c.machine_id
 FROM (
-        SELECT p.machine_id, p.agent_phase_since AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1167,11 +1250,16 @@ type ListAgentStartCandidatesParams struct {
 // AgentStart: provided machines whose agent was never started (or was
 // cleared by recovery), longest waiting first; installed machines too, so
 // that one recovered after it fell silent is taken over again. agent_phase
-// encodes "no AgentStarted" and is served by the
-// machine_provided_awaiting_agent partial index. Machines the provider
-// reports as not up (still provisioning, failed, stopped, gone) are left
-// until the updater sees them running: an attempt could only fail and back
-// off for minutes.
+// encodes "no AgentStarted". Machines the provider reports as not up (still
+// provisioning, failed, stopped, gone) are left until the updater sees them
+// running: an attempt could only fail and back off for minutes.
+//
+// since is when the machine became a candidate: the start of its phase, or
+// the end of its AgentStart backoff if that is later (a quarantine holds
+// until 'infinity'; migration 00014). The partial index
+// machine_provided_awaiting_agent is keyed by it, so the range up to now()
+// holds exactly the machines not held, in order, and a claim never reads a
+// machine that waits in backoff.
 func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentStartCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listAgentStartCandidates,
 		arg.Provider,
@@ -1269,6 +1357,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1278,12 +1367,31 @@ FROM (
                      OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
         UNION ALL
-        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE h.watched
-          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1324,10 +1432,16 @@ type ListRecoveryCandidatesParams struct {
 // either no heartbeat arrived within first_heartbeat_timeout of the start,
 // or the last heartbeat is older than heartbeat_timeout. An installed
 // machine is no exception: one that stopped heartbeating (it rebooted into
-// an OS without the agent, or died) is silent. The arms read the partial
-// indexes machine_provided_awaiting_first_heartbeat (whose phase began when
-// AgentStarted was set, so it bounds the start time) and
-// machine_agent_heartbeat_watched, so only silent machines are visited.
+// an OS without the agent, or died) is silent. The first two arms read the
+// partial indexes machine_provided_awaiting_first_heartbeat (whose phase
+// began when AgentStarted was set, so it bounds the start time) and
+// machine_agent_heartbeat_watched (on the heartbeat time of watched
+// machines, an expression, for its statistics), so only silent machines are
+// visited.
+// Machines in Recovery backoff or quarantine are held (migration 00014) and
+// in neither index; the third arm reads them from
+// machine_provided_recovery_held in order of the end of their hold, only
+// those whose hold has ended.
 //
 // Silence that overlaps the callback servers' own inability to record
 // heartbeats does not count: no machine is silent while a heartbeat

@@ -230,3 +230,32 @@ func (q *Queries) FleetMachineStates(ctx context.Context, arg FleetMachineStates
 	}
 	return items, nil
 }
+
+const recoveryHoldsRelease = `-- name: RecoveryHoldsRelease :execrows
+WITH released AS (
+    DELETE FROM work_backoff b
+    USING machine_provided p, machine_agent_heartbeat h
+    WHERE p.recovery_held_until IS NOT NULL
+      AND p.recovery_held_until <= now()
+      AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+      AND b.machine_id = p.machine_id AND b.process = 'Recovery' AND b.quarantined_at IS NULL
+      AND h.machine_id = p.machine_id AND h.agent_heartbeat_at > b.updated_at
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, cause)
+SELECT r.machine_id, 'Recovery', 'Reset', 'backoff released: the agent heartbeats again'
+FROM released r
+`
+
+// RecoveryHoldsRelease deletes the ended Recovery backoffs (not
+// quarantines) of machines whose agent heartbeated after the backoff's last
+// failure: the machine came back on its own, and its ended hold would
+// otherwise be read, and skipped, by every recovery claim (migration
+// 00014). It writes history Reset saying so.
+func (q *Queries) RecoveryHoldsRelease(ctx context.Context) (int64, error) {
+	result, err := q.db.Exec(ctx, recoveryHoldsRelease)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}

@@ -91,10 +91,12 @@ type MachineProvided struct {
 	ProviderLocation      string
 	ProviderStatus        string
 	// When provider_status was recorded or last changed: the machine has had this status since then. provider_state.update_confirmed_at says when the provider last confirmed it.
-	ProviderStatusAt *time.Time
-	AgentPhase       string
-	AgentPhaseSince  time.Time
-	Revision         int64
+	ProviderStatusAt    *time.Time
+	AgentPhase          string
+	AgentPhaseSince     time.Time
+	Revision            int64
+	AgentStartHeldUntil *time.Time
+	RecoveryHeldUntil   *time.Time
 }
 
 type MachineSshHostKey struct {

@@ -88,3 +88,23 @@ SELECT ((SELECT count(*) FROM agent_started) + (SELECT count(*) FROM agent_heart
         + (SELECT count(*) FROM hardware_report) + (SELECT count(*) FROM installation_request)
         + (SELECT count(*) FROM installation_report) + (SELECT count(*) FROM host_key)
         + (SELECT count(*) FROM request) + (SELECT count(*) FROM backoffs))::bigint AS swept;
+
+-- name: RecoveryHoldsRelease :execrows
+-- RecoveryHoldsRelease deletes the ended Recovery backoffs (not
+-- quarantines) of machines whose agent heartbeated after the backoff's last
+-- failure: the machine came back on its own, and its ended hold would
+-- otherwise be read, and skipped, by every recovery claim (migration
+-- 00014). It writes history Reset saying so.
+WITH released AS (
+    DELETE FROM work_backoff b
+    USING machine_provided p, machine_agent_heartbeat h
+    WHERE p.recovery_held_until IS NOT NULL
+      AND p.recovery_held_until <= now()
+      AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+      AND b.machine_id = p.machine_id AND b.process = 'Recovery' AND b.quarantined_at IS NULL
+      AND h.machine_id = p.machine_id AND h.agent_heartbeat_at > b.updated_at
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, cause)
+SELECT r.machine_id, 'Recovery', 'Reset', 'backoff released: the agent heartbeats again'
+FROM released r;

@@ -29,6 +29,9 @@ type definition struct {
 	Name   string // CamelCase, from the file name: agent_start.sql -> AgentStart
 	Doc    string // the leading comment lines, without "--"
 	Select string // the SELECT, indented for embedding
+	// Matching is the SELECT of the Matching count: Select without the
+	// lines marked with notInMatchingMarker.
+	Matching string
 	// Exclusions are the shared exclusions this definition is wrapped in.
 	Exclusions string
 }
@@ -37,6 +40,13 @@ type definition struct {
 // comment, marks the decommissioner's own query (SPEC §2.6): machines with a
 // decommission request are its candidates, so that exclusion is left out.
 const decommissionDirective = "-- +gencandidates:decommission-requests-are-candidates"
+
+// notInMatchingMarker ends a line of a definition that the Matching count
+// leaves out. Candidate sets keep machines waiting in backoff out of their
+// index ranges by conditions of their own (a hold that has not expired
+// yet); the Matching count, which must count machines whatever backoff they
+// wait in, drops those conditions.
+const notInMatchingMarker = "-- +gencandidates:not-in-matching"
 
 // exclusions is appended to every candidate set: the machine is not held by
 // live work of this process or of a process excluded with it, and not backed
@@ -91,7 +101,7 @@ WHERE {{.Exclusions}};
 -- how many it could work on).
 SELECT count(*)
 FROM (
-{{.Select}}
+{{.Matching}}
 ) c;
 
 -- name: Claim{{.Name}}Candidate :one
@@ -248,7 +258,7 @@ func parse(path string) (definition, error) {
 	if err != nil {
 		return definition{}, err
 	}
-	var doc, body []string
+	var doc, body, matching []string
 	excl := exclusions + decommissionExclusion
 	for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
 		if len(body) == 0 && strings.TrimSpace(line) == decommissionDirective {
@@ -259,7 +269,12 @@ func parse(path string) (definition, error) {
 			doc = append(doc, line)
 			continue
 		}
+		if l, ok := strings.CutSuffix(strings.TrimRight(line, " "), notInMatchingMarker); ok {
+			body = append(body, "        "+strings.TrimRight(l, " "))
+			continue
+		}
 		body = append(body, "        "+line)
+		matching = append(matching, "        "+line)
 	}
 	if len(doc) == 0 {
 		return definition{}, fmt.Errorf("%s: the definition must start with a comment saying what it selects and why", path)
@@ -275,5 +290,6 @@ func parse(path string) (definition, error) {
 		}
 		name.WriteString(strings.ToUpper(part[:1]) + part[1:])
 	}
-	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"), Exclusions: excl}, nil
+	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"),
+		Matching: strings.Join(matching, "\n"), Exclusions: excl}, nil
 }
