@@ -156,5 +156,6 @@ func heldTooLong(t *testing.T, db *bmdbtest.DB, boundMs int64) int64 {
 // lastEventDirect returns machine's last history event, read without the proxy.
 func lastEventDirect(t *testing.T, db *bmdbtest.DB, machine uuid.UUID) string {
 	t.Helper()
-	return bmdbtest.Scalar[string](t, db, "SELECT event FROM work_history WHERE machine_id = $1 ORDER BY history_id DESC LIMIT 1", machine)
+	return bmdbtest.Scalar[string](t, db, `SELECT COALESCE((SELECT event FROM work_history WHERE machine_id = $1
+		ORDER BY history_id DESC LIMIT 1), '')`, machine)
 }
