@@ -9,6 +9,13 @@
 // database clock. Sessions that stop renewing lose their locks to the next
 // claimer, which records the expiry in history.
 //
+// A lost reply leaves an outcome unknown, and bmdb resolves it rather than
+// leave a machine held by a live session. Finish, Fail and Cancel may be
+// retried after an error ([Unavailable] says when that is worth it); a retry
+// after an attempt that committed unheard reports success. After a claim whose
+// reply was lost, the session releases every work row it holds that no Work of
+// its own knows (history Canceled), retrying until the database answers.
+//
 // bmdb is the only package that speaks SQL. Its queries live in
 // bmdb/queries/*.sql (the candidate queries are generated from
 // bmdb/candidates/*.sql) and are compiled by sqlc into bmdb/model; callers use

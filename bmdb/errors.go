@@ -1,9 +1,13 @@
 package bmdb
 
 import (
+	"context"
 	"errors"
+	"io"
+	"net"
 	"strings"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -64,4 +68,37 @@ func contentErrorText(err error) string {
 		return pgErr.Message + " (SQLSTATE " + pgErr.Code + ")"
 	}
 	return err.Error()
+}
+
+// Unavailable reports whether err means the database could not be reached
+// or the connection broke (or timed out) before an answer arrived, rather
+// than a refusal by the database or by the caller's own code. Whether a
+// write that failed so committed is unknown, and the same call may succeed
+// once the database is back: retry it.
+func Unavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return false
+	}
+	var connErr *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, pgconn.ErrConnClosed) ||
+		pgconn.SafeToRetry(err)
+}
+
+// outcomeUnknown reports whether a write that failed with err may have
+// committed: the statement was sent, and no answer from the database says
+// how it went.
+func outcomeUnknown(err error) bool {
+	var pgErr *pgconn.PgError
+	if err == nil || errors.Is(err, pgx.ErrNoRows) || errors.As(err, &pgErr) ||
+		errors.Is(err, ErrSessionExpired) || errors.Is(err, ErrNothingToDo) {
+		return false
+	}
+	return !pgconn.SafeToRetry(err)
 }

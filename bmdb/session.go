@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -89,6 +90,16 @@ type Session struct {
 
 	stopRenew context.CancelFunc
 	renewDone chan struct{}
+
+	// Work the session knows it holds, and the resolution of claims whose
+	// outcome is unknown (see reconcileLoop).
+	claimMu       sync.RWMutex // held shared by claims, exclusively by reconcile
+	heldMu        sync.Mutex
+	held          map[workKey]*Work
+	unsure        atomic.Bool   // a claim may have committed unheard
+	kick          chan struct{} // wakes reconcileLoop; buffered
+	reconcileDone chan struct{}
+
 	closeOnce sync.Once
 	closeErr  error
 	lostOnce  sync.Once
@@ -127,6 +138,10 @@ func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, er
 		cfg:       cfg,
 		log:       db.log.With("session_id", row.SessionID.String(), "session_component", cfg.Component),
 		renewDone: make(chan struct{}),
+
+		held:          map[workKey]*Work{},
+		kick:          make(chan struct{}, 1),
+		reconcileDone: make(chan struct{}),
 	}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	// Renewal outlives the caller's ctx: the session stays alive until Close,
@@ -136,6 +151,7 @@ func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, er
 	db.metrics.sessionsStarted.WithLabelValues(cfg.Component).Inc()
 	db.metrics.sessionsOpen.WithLabelValues(cfg.Component).Inc()
 	go s.renew(rctx, sent.Add(cfg.Lease))
+	go s.reconcileLoop(rctx)
 	s.log.InfoContext(ctx, "session started", "lease", cfg.Lease)
 	return s, nil
 }
@@ -211,7 +227,7 @@ func (s *Session) lose(ctx context.Context, why string) {
 	})
 }
 
-// Close ends the session: it stops renewal, then in one transaction cancels
+// Close ends the session: it stops renewal (and reconciliation), then in one transaction cancels
 // the session's remaining work (history Canceled) and marks the session
 // closed. It uses a fresh context derived from ctx without its cancellation,
 // because Close typically runs during shutdown when ctx is already done.
@@ -221,6 +237,7 @@ func (s *Session) Close(ctx context.Context) error {
 	s.closeOnce.Do(func() {
 		s.stopRenew()
 		<-s.renewDone
+		<-s.reconcileDone
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
 		var row model.SessionCloseRow

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,6 +34,9 @@ type Work struct {
 	s     *Session
 	mu    sync.Mutex
 	ended bool
+	// unsure is set once an end attempt failed without learning whether it
+	// committed; a later attempt that finds the lock gone then asks history.
+	unsure bool
 }
 
 // Work claims the free candidate for process that has waited longest, in one
@@ -41,6 +45,12 @@ type Work struct {
 // Expired). It returns ErrNothingToDo if no candidate is free,
 // ErrSessionExpired if the session is dead, and ErrWorkConflict if it kept
 // losing races for candidates.
+//
+// If the claim's reply is lost (the connection broke after the statement
+// was sent), Work returns the error, and the claim may have committed all
+// the same. The session then releases, in the background and as soon as the
+// database answers, every work item it holds that no Work of its own knows
+// (history Canceled), so such a machine is not held for the life of the process.
 func (s *Session) Work(ctx context.Context, process Process, candidates Candidates) (*Work, error) {
 	if err := process.Validate(); err != nil {
 		return nil, err
@@ -48,6 +58,10 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 	if s.ctx.Err() != nil {
 		return nil, ErrSessionExpired
 	}
+	// Reconciliation must not run between a claim's commit and the Work's
+	// registration as held.
+	s.claimMu.RLock()
+	defer s.claimMu.RUnlock()
 	m := s.db.metrics
 	params := claimParams{process: process, session: s.id, scan: int32(s.cfg.ScanLimit), strategy: s.cfg.ClaimStrategy}
 	for range claimAttempts {
@@ -70,6 +84,10 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 			return nil, ErrNothingToDo
 		}
 		if err != nil {
+			if outcomeUnknown(err) {
+				s.log.WarnContext(ctx, "claim's outcome unknown, will release what it may have taken", "process", process, "err", err)
+				s.claimUnknown()
+			}
 			return nil, fmt.Errorf("bmdb: claiming %s for %s: %w", candidates, process, err)
 		}
 		if res.ExpiredCount > 0 {
@@ -81,12 +99,14 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 			continue
 		}
 		m.workStarted.WithLabelValues(string(process)).Inc()
-		return &Work{
+		w := &Work{
 			MachineID: res.ClaimedID.UUID,
 			Process:   process,
 			Provided:  providedMachine(res.ClaimedID.UUID, model.ClaimAgentStartCandidateRow(res)),
 			s:         s,
-		}, nil
+		}
+		s.hold(w)
+		return w, nil
 	}
 	return nil, ErrWorkConflict
 }
@@ -102,20 +122,57 @@ func (w *Work) begin() error {
 	return nil
 }
 
-// settle records how an end attempt went: on a database error other than the
-// lock being gone, the work is still held and may be ended again.
-func (w *Work) settle(err error, result string) error {
-	if err != nil && !errors.Is(err, ErrSessionExpired) {
+// settle records how an end attempt that meant to write event went. A
+// database error other than the lock being gone leaves the work held, to be
+// ended again. If an earlier attempt failed without learning whether it
+// committed, a lock found gone is looked up in history: the earlier attempt
+// may have ended the work, in which case this one reports success (resolved
+// is then true) or, if it ended otherwise, ErrWorkEnded.
+func (w *Work) settle(ctx context.Context, err error, event Event, result string) (resolved bool, _ error) {
+	w.mu.Lock()
+	unsure := w.unsure
+	w.mu.Unlock()
+	if errors.Is(err, ErrSessionExpired) && unsure {
+		var ended Event
+		ended, err = w.endedAs(ctx)
+		switch {
+		case err != nil:
+		case ended == event:
+			resolved = true
+		case ended == EventFinished || ended == EventFailed || ended == EventCanceled:
+			err = fmt.Errorf("%w: an earlier attempt to end %s on machine %s committed as %s", ErrWorkEnded, w.Process, w.MachineID, ended)
+			result = map[Event]string{EventFinished: resultFinished, EventFailed: resultFailed, EventCanceled: resultCanceled}[ended]
+		default:
+			err = ErrSessionExpired
+		}
+	}
+	if err != nil && !errors.Is(err, ErrSessionExpired) && !errors.Is(err, ErrWorkEnded) {
 		w.mu.Lock()
 		w.ended = false
+		w.unsure = w.unsure || Unavailable(err)
 		w.mu.Unlock()
-		return err
+		return false, err
 	}
 	if errors.Is(err, ErrSessionExpired) {
 		result = resultLost
 	}
+	w.s.drop(w)
 	w.s.db.metrics.workEnded.WithLabelValues(string(w.Process), result).Inc()
-	return err
+	return resolved, err
+}
+
+// endedAs returns the last history event this work's session wrote for its
+// (machine, process): how the work ended, if this session ended it.
+func (w *Work) endedAs(ctx context.Context) (Event, error) {
+	ev, err := w.s.db.q.WorkLastEvent(ctx, model.WorkLastEventParams{
+		MachineID: w.MachineID, Process: string(w.Process), SessionID: uuid.NullUUID{UUID: w.s.id, Valid: true},
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
+	} else if err != nil {
+		return "", fmt.Errorf("bmdb: finding out how %s on machine %s ended: %w", w.Process, w.MachineID, err)
+	}
+	return Event(ev), nil
 }
 
 func (w *Work) logger() *slog.Logger {
@@ -125,7 +182,9 @@ func (w *Work) logger() *slog.Logger {
 // Finish ends the work successfully: in one transaction it releases the lock,
 // clears the backoff of (machine, process), writes history Finished and
 // applies fn's tag changes (fn may be nil). If fn or the database fails, the
-// work is still held and the caller must Fail or Cancel it. ErrSessionExpired
+// work is still held and the caller must end it again: Finish again if the
+// database was unavailable (see Unavailable), else Fail or Cancel. A retry
+// after an attempt that committed unheard returns nil. ErrSessionExpired
 // means the lock was already gone and nothing was changed.
 func (w *Work) Finish(ctx context.Context, fn func(ctx context.Context, tx *Tx) error) error {
 	if err := w.begin(); err != nil {
@@ -155,17 +214,22 @@ func (w *Work) Finish(ctx context.Context, fn func(ctx context.Context, tx *Tx) 
 			return nil
 		})
 	}
-	return w.settle(err, resultFinished)
+	_, err = w.settle(ctx, err, EventFinished, resultFinished)
+	return err
 }
 
 // Fail ends the work as failed: in one transaction it releases the lock,
 // writes history Failed with cause, and backs the machine off for this process
 // according to policy, quarantining it (history Quarantined) once it has
-// failed policy.MaxAttempts times in a row. It returns the new backoff.
+// failed policy.MaxAttempts times in a row. It returns the new backoff. The
+// cause is stored as valid UTF-8 without NUL bytes (which PostgreSQL refuses),
+// so no error text can make a failure unrecordable. Like Finish, it may be
+// retried after an error.
 func (w *Work) Fail(ctx context.Context, policy BackoffPolicy, cause string) (Backoff, error) {
 	if err := policy.Validate(); err != nil {
 		return Backoff{}, err
 	}
+	cause = cleanText(cause)
 	if err := w.begin(); err != nil {
 		return Backoff{}, err
 	}
@@ -184,8 +248,16 @@ func (w *Work) Fail(ctx context.Context, policy BackoffPolicy, cause string) (Ba
 		b, err = recordFailure(ctx, q, w.MachineID, w.Process, w.s.id, policy, cause, u)
 		return err
 	})
-	if err = w.settle(err, resultFailed); err != nil {
+	resolved, err := w.settle(ctx, err, EventFailed, resultFailed)
+	if err != nil {
 		return Backoff{}, err
+	}
+	if resolved {
+		// An earlier attempt committed: its backoff is the one recorded.
+		// The work has ended either way, so failing to read it is no error.
+		if got, err := w.s.db.GetBackoff(ctx, w.MachineID, w.Process); err == nil {
+			b = got
+		}
 	}
 	if b.Quarantined {
 		w.s.db.metrics.workQuarantined.WithLabelValues(string(w.Process)).Inc()
@@ -262,7 +334,13 @@ func (w *Work) Cancel(ctx context.Context) error {
 		}
 		return nil
 	})
-	return w.settle(err, resultCanceled)
+	_, err = w.settle(cctx, err, EventCanceled, resultCanceled)
+	return err
+}
+
+// cleanText makes s storable as PostgreSQL text: valid UTF-8 without NUL.
+func cleanText(s string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
 // GetBackoff returns the backoff of (machine, process), or ErrNotFound if the

@@ -51,7 +51,8 @@ type Loop struct {
 	Backoff bmdb.BackoffPolicy
 	// Do processes one machine. It returns the tag change that records its
 	// success, or an error, which fails the work with the error as cause.
-	// ctx ends when the session is lost or the loop stops.
+	// ctx ends when the session is lost, the loop stops, or the runner's
+	// WorkTimeout passes.
 	Do func(ctx context.Context, t *Task) (FinishFunc, error)
 	// Admit, if set, is asked before every claim whether the loop may
 	// claim now (the recoverer's circuit breaker); a "no" makes the worker
@@ -71,7 +72,24 @@ type LoopConfig struct {
 	IdleSleep time.Duration
 	// Lease is the session lease; default bmdb.DefaultLease.
 	Lease time.Duration
+	// WorkTimeout bounds one call of the loop's Do, so that a machine is
+	// held by a live session for at most WorkTimeout plus the time to end
+	// the work (which, if the database is unreachable, the lease bounds);
+	// default 30m. Loops bound their own steps more tightly; this is the
+	// backstop for a Do that does not.
+	WorkTimeout time.Duration
 }
+
+// DefaultWorkTimeout is LoopConfig.WorkTimeout when it is zero.
+const DefaultWorkTimeout = 30 * time.Minute
+
+// Pauses between attempts to end work (jittered, doubling): short enough to
+// release a machine soon after a database restart, long enough not to hammer
+// a database that is down.
+const (
+	endPauseMin = 100 * time.Millisecond
+	endPauseMax = 5 * time.Second
+)
 
 // Validate reports the first problem with the configuration. It changes nothing.
 func (c LoopConfig) Validate(what string) error {
@@ -82,6 +100,8 @@ func (c LoopConfig) Validate(what string) error {
 		return fmt.Errorf("%s: IdleSleep must be >= 0 (0 = default), got %s", what, c.IdleSleep)
 	case c.Lease < 0:
 		return fmt.Errorf("%s: Lease must be >= 0 (0 = default), got %s", what, c.Lease)
+	case c.WorkTimeout < 0:
+		return fmt.Errorf("%s: WorkTimeout must be >= 0 (0 = default %s), got %s", what, DefaultWorkTimeout, c.WorkTimeout)
 	}
 	return c.QueryLimit.validate(what)
 }
@@ -114,6 +134,8 @@ func NewRunner(component string, cfg LoopConfig, loop Loop, db *bmdb.DB, reg pro
 	}
 	cfg.Parallelism = cmp.Or(cfg.Parallelism, 10)
 	cfg.IdleSleep = cmp.Or(cfg.IdleSleep, 5*time.Second)
+	cfg.Lease = cmp.Or(cfg.Lease, bmdb.DefaultLease)
+	cfg.WorkTimeout = cmp.Or(cfg.WorkTimeout, DefaultWorkTimeout)
 	m, err := newLoopMetrics(reg, string(loop.Process))
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", component, err)
@@ -175,48 +197,158 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 	}
 }
 
-// process runs the loop's Do on one claimed machine and ends the work.
+// process runs the loop's Do on one claimed machine, bounded by WorkTimeout,
+// and ends the work.
 func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger) {
 	start := time.Now()
 	defer func() { r.metrics.processing.Observe(time.Since(start).Seconds()) }()
-	finish, err := r.do(ctx, s, w, log)
+	dctx, cancel := context.WithTimeout(ctx, r.cfg.WorkTimeout)
+	finish, err := r.do(dctx, s, w, log)
+	timedOut := errors.Is(dctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
+	cancel()
 	switch {
 	case ctx.Err() != nil, errors.Is(err, ErrRetryLater):
 		// Stopping, the session is gone, or the loop holds back: say so,
 		// without judging the machine.
-		if err := w.Cancel(ctx); err != nil && !errors.Is(err, bmdb.ErrSessionExpired) {
-			log.WarnContext(ctx, "canceling work", "err", err)
-		}
-		r.metrics.claims.WithLabelValues("canceled").Inc()
-		return
+		r.end(ctx, s, w, log, ending{kind: endCancel})
 	case err == nil:
-		err = w.Finish(ctx, finish)
+		r.end(ctx, s, w, log, ending{kind: endFinish, finish: finish})
+	case timedOut:
+		r.end(ctx, s, w, log, ending{kind: endFail, cause: fmt.Errorf("processing took longer than %s: %w", r.cfg.WorkTimeout, err)})
+	default:
+		r.end(ctx, s, w, log, ending{kind: endFail, cause: err})
+	}
+}
+
+// endKind says how a work item is to end.
+type endKind int
+
+const (
+	endFinish endKind = iota
+	endFail
+	endCancel
+)
+
+func (k endKind) String() string {
+	return [...]string{"finish", "fail", "cancel"}[k]
+}
+
+// ending is how a work item is to end: with finish's tag change, or failed
+// with cause, or canceled.
+type ending struct {
+	kind   endKind
+	finish FinishFunc
+	cause  error
+
+	refusals int // attempts to Fail the database refused
+}
+
+// maxFailRefusals is how often the database may refuse to record a failure
+// (for reasons other than being unreachable) before the work is canceled
+// instead: a refusal that persists must not hold the machine.
+const maxFailRefusals = 3
+
+// end ends w as e says, retrying with jittered, doubling pauses (endPauseMin
+// to endPauseMax) while the database is unreachable, until the end is
+// recorded, the work turns out to be gone, or the session's context is done.
+// Giving up earlier would leave the machine held by a live session for the
+// life of the process; once the session is lost its work is free for others,
+// and once it is closed its work is canceled with it.
+//
+// A Finish that fails for a reason other than the database being
+// unreachable (the FinishFunc refused) becomes a Fail; a Fail the database
+// keeps refusing to record becomes a Cancel, so the machine is released
+// either way.
+// Each attempt runs without the worker's cancellation (a loop that stops
+// still records what it did) but within one lease.
+func (r *Runner) end(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger, e ending) {
+	pause := endPauseMin
+	for attempt := 1; ; attempt++ {
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Lease)
+		err := r.endOnce(actx, w, log, &e)
+		cancel()
+		switch {
+		case err == nil:
+			return
+		case errors.Is(err, bmdb.ErrSessionExpired):
+			r.metrics.claims.WithLabelValues("lost").Inc()
+			log.WarnContext(ctx, "work lost with the session before it could be ended", "end", e.kind, "cause", e.cause)
+			return
+		case errors.Is(err, bmdb.ErrWorkEnded):
+			// An earlier attempt committed after all, as something else
+			// than this one meant to record.
+			r.metrics.claims.WithLabelValues("lost").Inc()
+			log.WarnContext(ctx, "work had already ended", "end", e.kind, "err", err)
+			return
+		}
+		r.metrics.endRetries.Inc()
+		if attempt == 1 || attempt%10 == 0 {
+			log.WarnContext(ctx, "ending work failed, retrying while the session lives", "end", e.kind, "attempt", attempt, "err", err)
+		}
+		t := time.NewTimer(jitter(pause))
+		select {
+		case <-s.Context().Done():
+			t.Stop()
+			r.metrics.claims.WithLabelValues("lost").Inc()
+			log.WarnContext(ctx, "session ended before the work could be ended; it is released with the session",
+				"end", e.kind, "err", err, "cause", e.cause)
+			return
+		case <-t.C:
+		}
+		pause = min(2*pause, endPauseMax)
+	}
+}
+
+// endOnce makes one attempt to end w as e says, and records a success in the
+// metrics and the log. It turns e into a Fail or a Cancel when the database
+// refuses the end e asked for (see end).
+func (r *Runner) endOnce(ctx context.Context, w *bmdb.Work, log *slog.Logger, e *ending) error {
+	switch e.kind {
+	case endFinish:
+		var fnErr error
+		var fn func(context.Context, *bmdb.Tx) error
+		if e.finish != nil {
+			fn = func(ctx context.Context, tx *bmdb.Tx) error {
+				fnErr = e.finish(ctx, tx)
+				return fnErr
+			}
+		}
+		err := w.Finish(ctx, fn)
 		if err == nil {
 			r.metrics.claims.WithLabelValues("finished").Inc()
 			log.InfoContext(ctx, "done")
-			return
+			return nil
 		}
-		if errors.Is(err, bmdb.ErrSessionExpired) {
-			r.metrics.claims.WithLabelValues("lost").Inc()
-			log.WarnContext(ctx, "work lost with the session before it could be finished")
-			return
+		if fnErr == nil || bmdb.Unavailable(err) {
+			return err
 		}
-		err = fmt.Errorf("recording the result: %w", err)
-	}
-	b, ferr := w.Fail(context.WithoutCancel(ctx), r.loop.Backoff, err.Error())
-	switch {
-	case errors.Is(ferr, bmdb.ErrSessionExpired):
-		r.metrics.claims.WithLabelValues("lost").Inc()
-		log.WarnContext(ctx, "failed, and the work was lost with the session", "err", err)
-	case ferr != nil:
-		// The lock stays until the session ends or expiry; the machine
-		// is not lost, only delayed.
-		r.metrics.claims.WithLabelValues("error").Inc()
-		log.ErrorContext(ctx, "failed, and recording the failure failed too", "err", err, "record_err", ferr)
+		// The change Do asked for cannot be recorded: that is the
+		// machine's failure, not the database's.
+		e.kind, e.cause = endFail, fmt.Errorf("recording the result: %w", err)
+		fallthrough
+	case endFail:
+		b, err := w.Fail(ctx, r.loop.Backoff, e.cause.Error())
+		switch {
+		case err == nil:
+			r.metrics.claims.WithLabelValues("failed").Inc()
+			log.WarnContext(ctx, "failed, backing off", "err", e.cause, "retry_in", time.Until(b.Until).Round(time.Second),
+				"attempts", b.Attempts, "quarantined", b.Quarantined)
+			return nil
+		case errors.Is(err, bmdb.ErrSessionExpired), errors.Is(err, bmdb.ErrWorkEnded), bmdb.Unavailable(err):
+			return err
+		}
+		if e.refusals++; e.refusals < maxFailRefusals {
+			return err
+		}
+		log.ErrorContext(ctx, "recording a failure was refused, canceling the work instead", "err", e.cause, "record_err", err)
+		e.kind = endCancel
+		fallthrough
 	default:
-		r.metrics.claims.WithLabelValues("failed").Inc()
-		log.WarnContext(ctx, "failed, backing off", "err", err, "retry_in", time.Until(b.Until).Round(time.Second),
-			"attempts", b.Attempts, "quarantined", b.Quarantined)
+		err := w.Cancel(ctx)
+		if err == nil {
+			r.metrics.claims.WithLabelValues("canceled").Inc()
+		}
+		return err
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 type loopMetrics struct {
 	claims     *prometheus.CounterVec
 	processing prometheus.Histogram
+	endRetries prometheus.Counter
 }
 
 func newLoopMetrics(reg prometheus.Registerer, process string) (*loopMetrics, error) {
@@ -26,8 +27,13 @@ func newLoopMetrics(reg prometheus.Registerer, process string) (*loopMetrics, er
 			ConstLabels: prometheus.Labels{"process": process},
 			Buckets:     prometheus.ExponentialBuckets(0.01, 2, 16),
 		}),
+		endRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name:        "shepherd_loop_end_retries_total",
+			Help:        "Attempts to end claimed work (finish, fail, cancel) that failed and were retried, mostly while the database was unreachable.",
+			ConstLabels: prometheus.Labels{"process": process},
+		}),
 	}
-	for _, c := range []prometheus.Collector{m.claims, m.processing} {
+	for _, c := range []prometheus.Collector{m.claims, m.processing, m.endRetries} {
 		if err := register(reg, c); err != nil {
 			return nil, err
 		}

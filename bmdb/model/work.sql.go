@@ -251,6 +251,30 @@ func (q *Queries) WorkFinish(ctx context.Context, arg WorkFinishParams) (int64, 
 	return history_id, err
 }
 
+const workLastEvent = `-- name: WorkLastEvent :one
+SELECT event
+FROM work_history
+WHERE machine_id = $1 AND process = $2 AND session_id = $3
+ORDER BY history_id DESC
+LIMIT 1
+`
+
+type WorkLastEventParams struct {
+	MachineID uuid.UUID
+	Process   string
+	SessionID uuid.NullUUID
+}
+
+// WorkLastEvent is the latest history event a session wrote for (machine,
+// process): after an end whose outcome was unknown, it says whether that end
+// committed.
+func (q *Queries) WorkLastEvent(ctx context.Context, arg WorkLastEventParams) (string, error) {
+	row := q.db.QueryRow(ctx, workLastEvent, arg.MachineID, arg.Process, arg.SessionID)
+	var event string
+	err := row.Scan(&event)
+	return event, err
+}
+
 const workList = `-- name: WorkList :many
 SELECT w.machine_id, w.process, w.session_id, w.started_at,
        (s.deadline > now() AND s.closed_at IS NULL)::boolean AS alive
@@ -329,4 +353,56 @@ func (q *Queries) WorkRelease(ctx context.Context, arg WorkReleaseParams) (int64
 	var history_id int64
 	err := row.Scan(&history_id)
 	return history_id, err
+}
+
+const workReleaseUnknown = `-- name: WorkReleaseUnknown :many
+WITH released AS (
+    DELETE FROM work w
+    USING sessions s
+    WHERE w.session_id = $2
+      AND s.session_id = w.session_id AND s.deadline > now() AND s.closed_at IS NULL
+      -- held names each known item as '<machine id> <process>'.
+      AND NOT (w.machine_id::text || ' ' || w.process = ANY ($3::text[]))
+    RETURNING w.machine_id, w.process, w.session_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT r.machine_id, r.process, 'Canceled', r.session_id, $1
+FROM released r
+RETURNING machine_id, process
+`
+
+type WorkReleaseUnknownParams struct {
+	Cause     string
+	SessionID uuid.UUID
+	Held      []string
+}
+
+type WorkReleaseUnknownRow struct {
+	MachineID uuid.UUID
+	Process   string
+}
+
+// WorkReleaseUnknown releases every work item of a live session except the
+// (machine, process) pairs the session knows it holds, and writes history
+// Canceled with the cause. Such items come from claims that committed while
+// their reply was lost: nobody would ever end them. Work of a dead session is
+// left for expiry.
+func (q *Queries) WorkReleaseUnknown(ctx context.Context, arg WorkReleaseUnknownParams) ([]WorkReleaseUnknownRow, error) {
+	rows, err := q.db.Query(ctx, workReleaseUnknown, arg.Cause, arg.SessionID, arg.Held)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []WorkReleaseUnknownRow{}
+	for rows.Next() {
+		var i WorkReleaseUnknownRow
+		if err := rows.Scan(&i.MachineID, &i.Process); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }

@@ -91,3 +91,33 @@ FROM work w
 JOIN sessions s ON s.session_id = w.session_id
 WHERE (sqlc.narg(machine_id)::uuid IS NULL OR w.machine_id = sqlc.narg(machine_id))
 ORDER BY w.started_at, w.machine_id, w.process;
+
+-- name: WorkReleaseUnknown :many
+-- WorkReleaseUnknown releases every work item of a live session except the
+-- (machine, process) pairs the session knows it holds, and writes history
+-- Canceled with the cause. Such items come from claims that committed while
+-- their reply was lost: nobody would ever end them. Work of a dead session is
+-- left for expiry.
+WITH released AS (
+    DELETE FROM work w
+    USING sessions s
+    WHERE w.session_id = @session_id
+      AND s.session_id = w.session_id AND s.deadline > now() AND s.closed_at IS NULL
+      -- held names each known item as '<machine id> <process>'.
+      AND NOT (w.machine_id::text || ' ' || w.process = ANY (@held::text[]))
+    RETURNING w.machine_id, w.process, w.session_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT r.machine_id, r.process, 'Canceled', r.session_id, @cause
+FROM released r
+RETURNING machine_id, process;
+
+-- name: WorkLastEvent :one
+-- WorkLastEvent is the latest history event a session wrote for (machine,
+-- process): after an end whose outcome was unknown, it says whether that end
+-- committed.
+SELECT event
+FROM work_history
+WHERE machine_id = @machine_id AND process = @process AND session_id = @session_id
+ORDER BY history_id DESC
+LIMIT 1;

@@ -1,8 +1,9 @@
 // Package tcpproxy is a TCP proxy for tests that need a peer to misbehave
 // the way networks do: pass traffic, black-hole it (accept and then never
 // answer, which is what a dead host behind a firewall or a partition looks
-// like, and which a refused connection does not test), or reset every
-// connection. Tests put it between a client and a real server (PostgreSQL,
+// like, and which a refused connection does not test), reset every
+// connection, or deliver requests but lose the replies (a write that
+// commits while its client never hears so). Tests put it between a client and a real server (PostgreSQL,
 // the callback server) and switch its mode while they run.
 package tcpproxy
 
@@ -25,6 +26,10 @@ const (
 	Blackhole
 	// Reset closes every connection, new and existing, with a TCP reset.
 	Reset
+	// DropReplies forwards what clients send but swallows what the server
+	// answers, so requests take effect unheard. A connection that lost a
+	// reply is broken for good: it is reset once the mode changes.
+	DropReplies
 )
 
 func (m Mode) String() string {
@@ -35,6 +40,8 @@ func (m Mode) String() string {
 		return "blackhole"
 	case Reset:
 		return "reset"
+	case DropReplies:
+		return "drop-replies"
 	}
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
@@ -56,6 +63,7 @@ type Proxy struct {
 // link is one proxied connection.
 type link struct {
 	client, server net.Conn
+	lost           bool // a reply was dropped; guarded by Proxy.mu
 }
 
 // Start listens on 127.0.0.1 with a free port and forwards to target.
@@ -80,8 +88,9 @@ func (p *Proxy) SetMode(m Mode) {
 	p.mode = m
 	close(p.change)
 	p.change = make(chan struct{})
-	if m == Reset {
-		for l := range p.conns {
+	for l := range p.conns {
+		// A stream that lost bytes cannot carry on.
+		if m == Reset || (l.lost && m != DropReplies) {
 			resetConn(l.client)
 			l.server.Close()
 		}
@@ -164,8 +173,8 @@ func (p *Proxy) serve(client net.Conn) {
 	p.mu.Unlock()
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); p.pipe(server, client) }()
-	go func() { defer wg.Done(); p.pipe(client, server) }()
+	go func() { defer wg.Done(); p.pipe(l, server, client, false) }()
+	go func() { defer wg.Done(); p.pipe(l, client, server, true) }()
 	wg.Wait()
 	p.mu.Lock()
 	delete(p.conns, l)
@@ -173,15 +182,16 @@ func (p *Proxy) serve(client net.Conn) {
 }
 
 // pipe copies from src to dst chunk by chunk, holding chunks back while the
-// proxy black-holes, until either side closes.
-func (p *Proxy) pipe(dst, src net.Conn) {
+// proxy black-holes, until either side closes. reply says that src is the
+// server.
+func (p *Proxy) pipe(l *link, dst, src net.Conn, reply bool) {
 	defer dst.Close()
 	defer src.Close()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			if !p.deliver(dst, buf[:n]) {
+			if !p.deliver(l, dst, buf[:n], reply) {
 				return
 			}
 		}
@@ -192,15 +202,23 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 }
 
 // deliver writes b to dst once the proxy passes traffic; it drops b and
-// reports false when the connection is to be closed.
-func (p *Proxy) deliver(dst net.Conn, b []byte) bool {
+// reports false when the connection is to be closed. reply says that b
+// comes from the server.
+func (p *Proxy) deliver(l *link, dst net.Conn, b []byte, reply bool) bool {
 	for {
 		p.mu.Lock()
-		mode, delay, closed, change := p.mode, p.delay, p.closed, p.change
+		mode, delay, closed, change, lost := p.mode, p.delay, p.closed, p.change, l.lost
+		if mode == DropReplies && reply {
+			l.lost = true
+		}
 		p.mu.Unlock()
 		switch {
 		case closed || mode == Reset:
 			return false
+		case lost && mode != DropReplies:
+			return false
+		case mode == DropReplies && reply:
+			return true // swallowed; keep reading so the server is not held up
 		case mode == Blackhole:
 			// Swallow the bytes: a black hole never answers, and the
 			// sender sees its data acknowledged by TCP. Wait for a mode

@@ -106,3 +106,89 @@ func TestDelay(t *testing.T) {
 		t.Fatalf("round trip took %v, want at least 400ms with a 200ms delay", el)
 	}
 }
+
+// recordingServer answers every line with the same line and sends each line
+// it received to got.
+func recordingServer(t *testing.T, got chan<- string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					got <- line
+					if _, err := c.Write([]byte(line)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func TestDropReplies(t *testing.T) {
+	got := make(chan string, 10)
+	p, err := Start(recordingServer(t, got))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if line, err := roundTrip(c, 5*time.Second); err != nil || line != "ping\n" {
+		t.Fatalf("pass: got %q, %v", line, err)
+	}
+	<-got
+
+	p.SetMode(DropReplies)
+	if p.Mode() != DropReplies || p.Mode().String() != "drop-replies" {
+		t.Fatalf("mode %v, want drop-replies", p.Mode())
+	}
+	// The request arrives; the answer never does.
+	_, err = roundTrip(c, 300*time.Millisecond)
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("drop-replies: err = %v, want a read timeout", err)
+	}
+	select {
+	case line := <-got:
+		if line != "ping\n" {
+			t.Fatalf("server got %q", line)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("drop-replies: the request never reached the server")
+	}
+
+	// The connection lost a reply, so it is broken once the mode changes;
+	// new connections work.
+	p.SetMode(Pass)
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 16)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("pass after drop-replies: read on the broken connection: %v, want it closed", err)
+	}
+	c2, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if line, err := roundTrip(c2, 5*time.Second); err != nil || line != "ping\n" {
+		t.Fatalf("pass again: got %q, %v", line, err)
+	}
+}

@@ -1,0 +1,277 @@
+package bmdb_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
+)
+
+// workRows counts the work rows of machine held by session.
+func workRows(t *testing.T, db *bmdbtest.DB, machine, session uuid.UUID) int64 {
+	t.Helper()
+	return bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE machine_id = $1 AND session_id = $2", machine, session)
+}
+
+// behindProxy opens a BMDB through a proxy with one connection, so that a
+// test can warm it up: pgx prepares a statement in a round trip of its own
+// the first time a connection runs it, and a request whose reply is to be
+// lost must be sent whole.
+func behindProxy(t *testing.T) (*bmdbtest.DB, *tcpproxy.Proxy) {
+	t.Helper()
+	return bmdbtest.NewBehindProxy(t, bmdb.Config{MaxConns: 1})
+}
+
+// lease is long enough that no renewal falls into the short windows in which
+// these tests lose replies (a renewal stuck there would hold the only
+// connection).
+const lease = 30 * time.Second
+
+// lastEvent returns the latest history row of machine.
+func lastEvent(t *testing.T, db *bmdbtest.DB, machine uuid.UUID) bmdb.HistoryEvent {
+	t.Helper()
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: machine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h) == 0 {
+		t.Fatalf("machine %s has no history", machine)
+	}
+	return h[len(h)-1]
+}
+
+// TestAmbiguousClaimIsReleased loses the reply of a claim that committed:
+// Work returns an error, yet the machine is held by the (live) session. The
+// session must release it by itself once the database answers again, and
+// stay alive, so that the machine is claimable again.
+func TestAmbiguousClaimIsReleased(t *testing.T) {
+	t.Parallel()
+	db, proxy := behindProxy(t)
+	s := bmdbtest.Session(t, db, "claimer", lease)
+	id := bmdbtest.AddMachine(t, db, s, "lab")
+	warmUpClaim(t, s)
+
+	proxy.SetMode(tcpproxy.DropReplies)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+	w, err := s.Work(ctx, bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+	cancel()
+	if err == nil {
+		t.Fatalf("Work with its reply lost returned %s without error", w.MachineID)
+	}
+	// The claim committed although its caller never heard so.
+	if n := workRows(t, db, id, s.ID()); n != 1 {
+		t.Fatalf("the lost claim left %d work rows, want 1 (the test needs a claim that committed)", n)
+	}
+	proxy.SetMode(tcpproxy.Pass)
+
+	bmdbtest.WaitFor(t, 10*time.Second, "the session releases the work of its lost claim", func(context.Context) (bool, error) {
+		return workRows(t, db, id, s.ID()) == 0, nil
+	})
+	if ev := lastEvent(t, db, id); ev.Event != bmdb.EventCanceled || !strings.Contains(ev.Cause, "unknown") {
+		t.Errorf("last history event %s (%q), want Canceled saying the claim's outcome was unknown", ev.Event, ev.Cause)
+	}
+	if s.Context().Err() != nil {
+		t.Fatalf("the session died: %v", context.Cause(s.Context()))
+	}
+	w, err = s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+	if err != nil {
+		t.Fatalf("claiming the released machine again: %v", err)
+	}
+	if w.MachineID != id {
+		t.Fatalf("claimed %s, want %s", w.MachineID, id)
+	}
+	if err := w.Finish(t.Context(), nil); err != nil {
+		t.Fatalf("Finish: %v", err)
+	}
+}
+
+// TestReconciliationKeepsKnownWork checks that releasing the work of lost
+// claims leaves the work the session knows it holds alone, however many
+// claims run meanwhile.
+func TestReconciliationKeepsKnownWork(t *testing.T) {
+	t.Parallel()
+	db, proxy := behindProxy(t)
+	s := bmdbtest.Session(t, db, "claimer", lease)
+	warmUpClaim(t, s)
+	var known []*bmdb.Work
+	for range 4 {
+		bmdbtest.AddMachine(t, db, s, "lab")
+	}
+	for range 2 {
+		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		known = append(known, w)
+	}
+	// Lose the reply of a claim of one of the two machines left.
+	proxy.SetMode(tcpproxy.DropReplies)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+	_, err := s.Work(ctx, bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+	cancel()
+	if err == nil {
+		t.Fatal("Work with its reply lost succeeded")
+	}
+	proxy.SetMode(tcpproxy.Pass)
+	// Claim the last machine while reconciliation may run.
+	last, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	known = append(known, last)
+	bmdbtest.WaitFor(t, 10*time.Second, "one work row released", func(context.Context) (bool, error) {
+		n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE session_id = $1", s.ID())
+		return n == int64(len(known)), nil
+	})
+	for _, w := range known {
+		if err := w.Finish(t.Context(), nil); err != nil {
+			t.Errorf("finishing known work on %s: %v", w.MachineID, err)
+		}
+	}
+	// The lost claim's machine was released (and may since have been
+	// claimed again by the last claim).
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work_history WHERE event = 'Canceled' AND cause LIKE '%unknown%'"); n != 1 {
+		t.Errorf("%d releases of lost claims in history, want 1", n)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows left", n)
+	}
+}
+
+// warmUpClaim runs the agent start claim once, so that the connection has it
+// prepared.
+func warmUpClaim(t *testing.T, s *bmdb.Session) {
+	t.Helper()
+	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("warm-up")); !errors.Is(err, bmdb.ErrNothingToDo) {
+		t.Fatalf("warming up the claim: %v", err)
+	}
+}
+
+// TestEndRetriedAfterLostReply loses the reply of an end of work that
+// committed. Ending again must report what happened (the work ended as
+// asked), not that the session expired.
+func TestEndRetriedAfterLostReply(t *testing.T) {
+	t.Parallel()
+	// A transaction's COMMIT loses its reply when fn switches the proxy;
+	// single statements are warmed up and sent with the proxy switched.
+	for _, end := range []string{"finish in a transaction", "finish in one statement", "cancel"} {
+		t.Run(end, func(t *testing.T) {
+			t.Parallel()
+			db, proxy := behindProxy(t)
+			s := bmdbtest.Session(t, db, "ender", lease)
+			bmdbtest.AddMachine(t, db, s, "lab")
+			id := bmdbtest.AddMachine(t, db, s, "lab")
+			claim := func() *bmdb.Work {
+				w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return w
+			}
+			// The first claim warms the end's statement up.
+			if w := claim(); end == "cancel" {
+				err := w.Cancel(t.Context())
+				if err == nil {
+					_, err = s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("none"))
+				}
+				if !errors.Is(err, bmdb.ErrNothingToDo) {
+					t.Fatal(err)
+				}
+				claim() // the canceled machine again: leave it held
+			} else if err := w.Finish(t.Context(), nil); err != nil {
+				t.Fatal(err)
+			}
+			w := claim()
+			id = w.MachineID
+			want := bmdb.EventFinished
+			lose := func() {}
+			do := func(ctx context.Context) error {
+				switch end {
+				case "finish in a transaction":
+					return w.Finish(ctx, func(ctx context.Context, tx *bmdb.Tx) error {
+						if err := tx.SetAgentStarted(ctx, id, make([]byte, 32)); err != nil {
+							return err
+						}
+						lose()
+						return nil
+					})
+				case "finish in one statement":
+					return w.Finish(ctx, nil)
+				}
+				want = bmdb.EventCanceled
+				return w.Cancel(ctx)
+			}
+
+			if end == "finish in a transaction" {
+				lose = func() { proxy.SetMode(tcpproxy.DropReplies); lose = func() {} }
+			} else {
+				proxy.SetMode(tcpproxy.DropReplies)
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+			err := do(ctx)
+			cancel()
+			if err == nil {
+				t.Fatal("ending with its reply lost succeeded")
+			}
+			if !bmdb.Unavailable(err) {
+				t.Errorf("Unavailable(%v) = false, want true", err)
+			}
+			if n := workRows(t, db, id, s.ID()); n != 0 {
+				t.Fatalf("%d work rows after the lost end, want 0 (the test needs an end that committed)", n)
+			}
+			proxy.SetMode(tcpproxy.Pass)
+			if err := do(t.Context()); err != nil {
+				t.Fatalf("ending again after the lost reply: %v, want nil (the first attempt committed)", err)
+			}
+			if ev := lastEvent(t, db, id); ev.Event != want {
+				t.Errorf("last event %s, want %s", ev.Event, want)
+			}
+			if err := do(t.Context()); !errors.Is(err, bmdb.ErrWorkEnded) {
+				t.Errorf("ending a third time: %v, want ErrWorkEnded", err)
+			}
+		})
+	}
+}
+
+// TestFailStoresAnyCause fails work with a cause PostgreSQL would refuse as
+// text (NUL, invalid UTF-8): the failure must be recorded all the same, or
+// the machine stays held.
+func TestFailStoresAnyCause(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "failer", 0)
+	id := bmdbtest.AddMachine(t, db, s, "lab")
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := w.Fail(t.Context(), bmdb.BackoffPolicy{Initial: time.Hour}, "agent said \x00\xff\xfe")
+	if err != nil {
+		t.Fatalf("Fail: %v", err)
+	}
+	if want := "agent said \uFFFD\uFFFD"; b.Cause != want {
+		t.Errorf("cause %q, want %q", b.Cause, want)
+	}
+	if ev := lastEvent(t, db, id); ev.Event != bmdb.EventFailed {
+		t.Errorf("last event %s, want Failed", ev.Event)
+	}
+}
+
+func TestUnavailable(t *testing.T) {
+	t.Parallel()
+	for _, err := range []error{nil, errors.New("fn said no"), bmdb.ErrSessionExpired, bmdb.ErrWorkEnded, context.Canceled} {
+		if bmdb.Unavailable(err) {
+			t.Errorf("Unavailable(%v) = true", err)
+		}
+	}
+	if !bmdb.Unavailable(context.DeadlineExceeded) {
+		t.Error("Unavailable(context.DeadlineExceeded) = false")
+	}
+}
