@@ -6,11 +6,15 @@
 // TakeoverResponse to stdout. Its exit status is 0 whenever a response was
 // written, including a TakeoverError; it is 1 only if not even that worked.
 // The "daemon" mode is started by the takeover and reads its configuration
-// from an inherited pipe; "version" prints the version.
+// from an inherited pipe; it runs until SIGTERM, or until the callback
+// server says the machine was decommissioned (PermissionDenied), when it
+// exits 0 for good: nothing supervises or restarts it, and only a new
+// takeover starts another daemon. "version" prints the version.
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -38,7 +42,13 @@ func run(args []string) int {
 	case "daemon":
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 		defer stop()
-		if err := agent.RunDaemon(ctx, log); err != nil {
+		err := agent.RunDaemon(ctx, log)
+		switch {
+		case errors.Is(err, agent.ErrRetired):
+			// The daemon logged why. Exiting 0 says this is the end it
+			// was told to come to; nothing restarts the daemon.
+			return 0
+		case err != nil:
 			log.Error("agent daemon failed", "err", err)
 			return 1
 		}
