@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"math"
 	"math/rand/v2"
@@ -135,6 +136,22 @@ func replaceDaemon(ctx context.Context, dir string, log *slog.Logger) (*os.File,
 		case <-tick.C:
 		}
 	}
+}
+
+// Stop stops the daemon of the state directory dir, if one runs, the way a
+// new takeover replaces it: SIGTERM, then SIGKILL if it lingers. It returns
+// once the daemon is gone (its lock is free), and nil if none ran. Nothing
+// restarts a stopped daemon; a later takeover starts a new one. The
+// decommissioner runs it over SSH (shepherd-agent stop).
+func Stop(ctx context.Context, dir string, log *slog.Logger) error {
+	if _, err := os.Stat(filepath.Join(dir, lockFile)); errors.Is(err, fs.ErrNotExist) {
+		return nil // no daemon ever ran here
+	}
+	lock, err := replaceDaemon(ctx, dir, log)
+	if err != nil {
+		return fmt.Errorf("stopping the agent daemon of %s: %w", dir, err)
+	}
+	return lock.Close()
 }
 
 func readPid(path string) int {

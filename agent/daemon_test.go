@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -383,5 +384,36 @@ func TestDecommissionedAgentStops(t *testing.T) {
 	}
 	if strings.Contains(string(log), "agent daemon failed") {
 		t.Errorf("the agent logged its retirement as a failure:\n%s", log)
+	}
+}
+
+// TestStopMode: "shepherd-agent stop" (run by the decommissioner over SSH)
+// stops the daemon of a state directory and returns once it is gone; with no
+// daemon it does nothing and succeeds.
+func TestStopMode(t *testing.T) {
+	t.Parallel()
+	f := newFakeCallback(t, func(*agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) { return ok(), nil })
+	stateDir := t.TempDir()
+	resp, _, _ := takeover(t, stateDir, f.init())
+	successOf(t, resp)
+	pid := daemonPid(stateDir)
+	if !alive(pid) {
+		t.Fatalf("daemon %d not running", pid)
+	}
+	stop := func(dir string) {
+		t.Helper()
+		out, err := exec.CommandContext(t.Context(), agentBinary(t), "stop", "--state-dir", dir).CombinedOutput()
+		if err != nil {
+			t.Fatalf("shepherd-agent stop: %v\n%s", err, out)
+		}
+	}
+	stop(stateDir)
+	waitGone(t, pid, "the daemon stops") // gone already, bar the exit after releasing its lock
+	stop(stateDir)                       // nothing runs any more
+
+	empty := filepath.Join(t.TempDir(), "never-used")
+	stop(empty)
+	if exists(empty) {
+		t.Error("stop created the state directory of a machine where no daemon ever ran")
 	}
 }

@@ -9,7 +9,9 @@
 // from an inherited pipe; it runs until SIGTERM, or until the callback
 // server says the machine was decommissioned (PermissionDenied), when it
 // exits 0 for good: nothing supervises or restarts it, and only a new
-// takeover starts another daemon. "version" prints the version.
+// takeover starts another daemon. "stop --state-dir DIR" stops the daemon of
+// DIR, if one runs, and exits 0 once it is gone (the decommissioner runs it
+// over SSH). "version" prints the version.
 package main
 
 import (
@@ -22,6 +24,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/shepherd/shepherd/agent"
 )
@@ -53,11 +56,13 @@ func run(args []string) int {
 			return 1
 		}
 		return 0
+	case "stop":
+		return stop(args, log)
 	case "version":
 		fmt.Println("shepherd-agent", agent.Version())
 		return 0
 	default:
-		fmt.Fprintf(os.Stderr, "shepherd-agent: unknown mode %q (want takeover, daemon or version)\n", mode)
+		fmt.Fprintf(os.Stderr, "shepherd-agent: unknown mode %q (want takeover, daemon, stop or version)\n", mode)
 		return 2
 	}
 }
@@ -89,6 +94,21 @@ func takeover(args []string, log *slog.Logger) int {
 	}
 	if err := agent.Takeover(context.Background(), cfg, exe, os.Stdin, os.Stdout); err != nil {
 		log.Error("takeover", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func stop(args []string, log *slog.Logger) int {
+	fs := flag.NewFlagSet("stop", flag.ContinueOnError)
+	stateDir := fs.String("state-dir", "/var/lib/shepherd-agent", "state directory of the daemon to stop")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := agent.Stop(ctx, *stateDir, log); err != nil {
+		log.Error("stopping the agent daemon", "err", err)
 		return 1
 	}
 	return 0
