@@ -9,7 +9,6 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
-	"math"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -178,6 +177,7 @@ type daemon struct {
 	done       chan *agentv1.OSInstallationReport // its report, when it finishes
 	report     *agentv1.OSInstallationReport      // sent with every heartbeat until acknowledged
 	reboot     bool                               // reboot once report is acknowledged (if it is a success)
+	stateLost  bool                               // the generation file was unreadable; see refuseUnknown
 }
 
 // ErrRetired is what the daemon returns when the callback server answers
@@ -203,18 +203,20 @@ const retryPushbackKey = "grpc-retry-pushback-ms"
 // report saying it was interrupted.
 func (d *daemon) recoverInstallation(ctx context.Context) {
 	dir := d.cfg.StateDir
-	st, err := readGeneration(dir)
-	if err != nil {
-		// Never install a generation twice: treat an unreadable file as
-		// "nothing is new" and let an operator look.
-		d.log.ErrorContext(ctx, "installation state unreadable; refusing installations until it is fixed", "err", err)
-		st = generationState{gen: math.MaxInt64}
-	}
-	d.handled = st.gen
 	r, reboot, err := readReport(dir)
 	if err != nil {
 		d.log.ErrorContext(ctx, "kept installation report unreadable", "err", err)
 	}
+	st, err := readGeneration(dir)
+	switch {
+	case err != nil && r != nil:
+		d.log.ErrorContext(ctx, "installation generation unreadable; going by the kept report", "err", err, "generation", r.GetGeneration())
+		st = generationState{gen: r.GetGeneration(), started: true}
+	case err != nil:
+		d.log.ErrorContext(ctx, "installation generation unreadable; the installation the server asks for now will not be carried out", "err", err)
+		d.stateLost = true
+	}
+	d.handled = st.gen
 	switch {
 	case r != nil && r.GetGeneration() == st.gen:
 		d.report, d.reboot = r, reboot
@@ -338,6 +340,9 @@ func (d *daemon) run(ctx context.Context) error {
 		if sent := req.GetInstallationReport(); sent != nil && sent == d.report && resp.Msg.GetInstallationReportRecorded() == sent.GetGeneration() {
 			d.acknowledged(ctx)
 		}
+		if d.stateLost {
+			d.refuseUnknown(ctx, resp.Msg.GetInstallationRequest())
+		}
 		if ir := resp.Msg.GetInstallationRequest(); ir != nil {
 			d.maybeInstall(installCtx, ir)
 		}
@@ -346,6 +351,32 @@ func (d *daemon) run(ctx context.Context) error {
 			interval = min(n.AsDuration(), 24*time.Hour)
 		}
 		timer.Reset(interval)
+	}
+}
+
+// refuseUnknown settles which generations are new when the generation
+// file was unreadable. The server asks only for an installation it has no
+// report of, so the one it asks for in the first response (ir, nil if none)
+// may have run already (its report lost with the state): it is refused with
+// an error report, and a new request installs. Every later generation is new.
+func (d *daemon) refuseUnknown(ctx context.Context, ir *agentv1.OSInstallationRequest) {
+	d.stateLost = false
+	if ir == nil {
+		if err := writeGeneration(d.cfg.StateDir, generationState{}); err != nil {
+			d.log.ErrorContext(ctx, "resetting the installation state", "err", err)
+		}
+		return
+	}
+	g := ir.GetGeneration()
+	d.handled = g
+	d.report = install.ErrorReport(g, fmt.Sprintf("not installing generation %d: the agent's record of the installations it ran "+
+		"was unreadable, so it may have run already; request the installation again", g))
+	d.log.ErrorContext(ctx, "refusing an installation that may have run already", "generation", g)
+	if err := writeGeneration(d.cfg.StateDir, generationState{gen: g, started: true}); err != nil {
+		d.log.ErrorContext(ctx, "recording the refused installation", "err", err)
+	}
+	if err := writeReport(d.cfg.StateDir, d.report, false); err != nil {
+		d.log.ErrorContext(ctx, "keeping installation report", "err", err)
 	}
 }
 

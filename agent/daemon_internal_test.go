@@ -63,6 +63,7 @@ func TestRecoverInstallation(t *testing.T) {
 		handled    int64
 		wantGen    int64  // generation of the report to send; 0 none
 		wantError  string // part of its error message; "" a success
+		stateLost  bool
 	}{
 		{name: "new machine"},
 		{name: "delivered (also an older agent's state)", generation: "5\n", handled: 5},
@@ -70,7 +71,8 @@ func TestRecoverInstallation(t *testing.T) {
 		{name: "delivered, crashed before removing the report", generation: "5\n", kept: success(5), handled: 5, wantGen: 5},
 		{name: "interrupted", generation: "5 started\n", handled: 5, wantGen: 5, wantError: "interrupted"},
 		{name: "interrupted, older report kept", generation: "6 started\n", kept: success(5), handled: 6, wantGen: 6, wantError: "interrupted"},
-		{name: "unreadable: never install again", generation: "garbage\n", handled: 1<<63 - 1},
+		{name: "generation unreadable: decided at the first response", generation: "garbage\n", stateLost: true},
+		{name: "generation unreadable, report kept", generation: "\n", kept: success(5), handled: 5, wantGen: 5},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -87,8 +89,8 @@ func TestRecoverInstallation(t *testing.T) {
 			}
 			d := &daemon{cfg: daemonConfig{StateDir: dir}, log: slog.New(slog.DiscardHandler)}
 			d.recoverInstallation(t.Context())
-			if d.handled != c.handled {
-				t.Errorf("handled %d, want %d", d.handled, c.handled)
+			if d.handled != c.handled || d.stateLost != c.stateLost {
+				t.Errorf("handled %d, state lost %v; want %d, %v", d.handled, d.stateLost, c.handled, c.stateLost)
 			}
 			switch {
 			case c.wantGen == 0 && d.report != nil:

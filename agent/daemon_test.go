@@ -417,3 +417,58 @@ func TestStopMode(t *testing.T) {
 		t.Error("stop created the state directory of a machine where no daemon ever ran")
 	}
 }
+
+// TestUnreadableStateRefusesOnlyTheUncertainInstallation: with its record
+// of installations unreadable, the agent cannot know whether the
+// installation the server asks for ran already. It refuses that one with an
+// error report, rather than risk installing a generation twice, and carries
+// out the next one, rather than refusing installations for good.
+func TestUnreadableStateRefusesOnlyTheUncertainInstallation(t *testing.T) {
+	t.Parallel()
+	images := newImageServer(t, 64<<10)
+	targets := t.TempDir()
+	stateDir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(stateDir, "installed-generation"), nil, 0o600); err != nil { // torn by a crash
+		t.Fatal(err)
+	}
+	request := func(gen int64) *agentv1.OSInstallationRequest {
+		return &agentv1.OSInstallationRequest{Generation: gen, ImageUrl: images.URL + "/os.img", ImageSha256: images.sha256(),
+			TargetDevice: filepath.Join(targets, "disk.img")}
+	}
+	var pending atomic.Int64
+	pending.Store(5)
+	f := newFakeCallback(t, func(req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+		resp := ok()
+		resp.HardwareReportRecorded = true
+		if r := req.GetInstallationReport(); r != nil {
+			resp.InstallationReportRecorded = r.GetGeneration()
+			pending.CompareAndSwap(r.GetGeneration(), 0)
+		}
+		if g := pending.Load(); g != 0 {
+			resp.InstallationRequest = request(g)
+		}
+		return resp, nil
+	})
+	resp, _, _ := takeover(t, stateDir, f.init(), "--work-dir", t.TempDir(), "--allow-file-target-dir", targets)
+	successOf(t, resp)
+	beats := f.waitFor("report of generation 5", func(beats []beat) bool { return withReport(beats, 5) > 0 })
+	for _, b := range beats {
+		if r := b.req.GetInstallationReport(); r != nil && !strings.Contains(r.GetError().GetMessage(), "may have run already") {
+			t.Errorf("report %v, want an error saying generation 5 may have run already", r)
+		}
+	}
+	if n := images.downloads.Load(); n != 0 {
+		t.Errorf("%d downloads for a generation that may have been installed already, want 0", n)
+	}
+
+	pending.Store(6)
+	beats = f.waitFor("report of generation 6", func(beats []beat) bool { return withReport(beats, 6) > 0 })
+	for _, b := range beats {
+		if r := b.req.GetInstallationReport(); r.GetGeneration() == 6 && r.GetSuccess() == nil {
+			t.Errorf("report %v, want generation 6 installed", r)
+		}
+	}
+	if n := images.downloads.Load(); n != 1 {
+		t.Errorf("%d downloads, want 1 (generation 6)", n)
+	}
+}
