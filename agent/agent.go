@@ -34,6 +34,9 @@ type Config struct {
 	// HeartbeatInterval is used until the server says otherwise; default 30s.
 	HeartbeatInterval time.Duration
 	// MaxBackoff caps the wait between failed heartbeats; default 1 min.
+	// A server that answers Unavailable with a retry pushback (it cannot
+	// record heartbeats now) is retried after the wait it asks for,
+	// between 100ms and 10s, without growing the backoff.
 	MaxBackoff time.Duration
 	// StdinTimeout bounds how long Takeover waits for the TakeoverInit;
 	// default 10s.
