@@ -3,8 +3,10 @@
 // with a TakeoverInit on stdin: Takeover generates a key pair, starts the
 // daemon detached from the SSH session and answers with the public key. The
 // daemon (Daemon) sends heartbeats to the callback server over TLS with a
-// client certificate of that key, reports the hardware once, and carries out
-// OS installation requests.
+// client certificate of that key, reports the hardware and the result of
+// each OS installation it carries out (resending each until the server
+// acknowledges it), and stops for good once the server says the machine was
+// decommissioned.
 package agent
 
 import (
@@ -22,8 +24,9 @@ import (
 
 // Config configures the agent in both modes. Zero values mean defaults.
 type Config struct {
-	// StateDir holds the daemon's lock, pid file, log and the last
-	// installation generation it handled; default /var/lib/shepherd-agent.
+	// StateDir holds the daemon's lock, pid file, log, the last
+	// installation generation it handled and that installation's report
+	// until the server has it (see state.go); default /var/lib/shepherd-agent.
 	StateDir string
 	// RebootCommand runs after a successful installation that asked for a
 	// reboot, once the server has the report; default ["reboot"].
@@ -31,6 +34,9 @@ type Config struct {
 	// HeartbeatInterval is used until the server says otherwise; default 30s.
 	HeartbeatInterval time.Duration
 	// MaxBackoff caps the wait between failed heartbeats; default 1 min.
+	// A server that answers Unavailable with a retry pushback (it cannot
+	// record heartbeats now) is retried after the wait it asks for,
+	// between 100ms and 10s, without growing the backoff.
 	MaxBackoff time.Duration
 	// StdinTimeout bounds how long Takeover waits for the TakeoverInit;
 	// default 10s.
@@ -88,6 +94,7 @@ const (
 	pidFile        = "agent.pid"
 	logFile        = "agent.log"
 	generationFile = "installed-generation"
+	reportFile     = "installation-report"
 )
 
 var errNoDaemonConfig = errors.New("no daemon configuration on file descriptor 3: the daemon is started by the takeover, not by hand")

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -32,7 +33,8 @@ const heartbeatTimeout = 15 * time.Second
 // RunDaemon is the daemon the takeover starts. It reads its configuration
 // from file descriptor 3, replaces any daemon an earlier takeover started,
 // reports on file descriptor 4 that it runs, and then sends heartbeats until
-// ctx ends (SIGTERM).
+// ctx ends (SIGTERM; it returns nil) or the callback server says the machine
+// was decommissioned (it returns ErrRetired).
 func RunDaemon(ctx context.Context, log *slog.Logger) error {
 	cfgFile, readyFile := os.NewFile(3, "daemon-config"), os.NewFile(4, "daemon-ready")
 	if cfgFile == nil || readyFile == nil {
@@ -80,7 +82,6 @@ func RunDaemon(ctx context.Context, log *slog.Logger) error {
 		log:    log.With("machine_id", init.GetMachineId()),
 		done:   make(chan *agentv1.OSInstallationReport, 1),
 	}
-	d.handled = d.readGeneration()
 	if _, err := readyFile.Write([]byte("R")); err != nil {
 		return fmt.Errorf("reporting readiness: %w", err)
 	}
@@ -136,6 +137,22 @@ func replaceDaemon(ctx context.Context, dir string, log *slog.Logger) (*os.File,
 	}
 }
 
+// Stop stops the daemon of the state directory dir, if one runs, the way a
+// new takeover replaces it: SIGTERM, then SIGKILL if it lingers. It returns
+// once the daemon is gone (its lock is free), and nil if none ran. Nothing
+// restarts a stopped daemon; a later takeover starts a new one. The
+// decommissioner runs it over SSH (shepherd-agent stop).
+func Stop(ctx context.Context, dir string, log *slog.Logger) error {
+	if _, err := os.Stat(filepath.Join(dir, lockFile)); errors.Is(err, fs.ErrNotExist) {
+		return nil // no daemon ever ran here
+	}
+	lock, err := replaceDaemon(ctx, dir, log)
+	if err != nil {
+		return fmt.Errorf("stopping the agent daemon of %s: %w", dir, err)
+	}
+	return lock.Close()
+}
+
 func readPid(path string) int {
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -158,11 +175,105 @@ type daemon struct {
 	handled    int64                              // highest installation generation started
 	installing bool                               // an installation runs
 	done       chan *agentv1.OSInstallationReport // its report, when it finishes
-	report     *agentv1.OSInstallationReport      // to deliver with the next heartbeat
-	reboot     bool                               // reboot once report is delivered (if it is a success)
+	report     *agentv1.OSInstallationReport      // sent with every heartbeat until acknowledged
+	reboot     bool                               // reboot once report is acknowledged (if it is a success)
+	stateLost  bool                               // the generation file was unreadable; see refuseUnknown
+}
+
+// ErrRetired is what the daemon returns when the callback server answers
+// that its machine was decommissioned: the agent is not wanted any more and
+// stops for good instead of retrying. Nothing restarts it; a later takeover
+// starts a new daemon.
+var ErrRetired = errors.New("the callback server says the machine was decommissioned; the agent stops")
+
+// Bounds of the wait the server asks for with a retry pushback.
+const (
+	minPushback = 100 * time.Millisecond
+	maxPushback = 10 * time.Second
+)
+
+// retryPushbackKey is gRPC's retry pushback trailer (milliseconds), with
+// which the callback server answers Unavailable when it cannot record a
+// heartbeat now (its database is down or busy).
+const retryPushbackKey = "grpc-retry-pushback-ms"
+
+// recoverInstallation restores, from the state directory, what an earlier
+// daemon left: the highest generation handled and a report the server has
+// not acknowledged, or, for an installation that never finished, an error
+// report saying it was interrupted.
+func (d *daemon) recoverInstallation(ctx context.Context) {
+	dir := d.cfg.StateDir
+	r, reboot, err := readReport(dir)
+	if err != nil {
+		d.log.ErrorContext(ctx, "kept installation report unreadable", "err", err)
+	}
+	st, err := readGeneration(dir)
+	switch {
+	case err != nil && r != nil:
+		d.log.ErrorContext(ctx, "installation generation unreadable; going by the kept report", "err", err, "generation", r.GetGeneration())
+		st = generationState{gen: r.GetGeneration(), started: true}
+	case err != nil:
+		d.log.ErrorContext(ctx, "installation generation unreadable; the installation the server asks for now will not be carried out", "err", err)
+		d.stateLost = true
+	}
+	d.handled = st.gen
+	switch {
+	case r != nil && r.GetGeneration() == st.gen:
+		d.report, d.reboot = r, reboot
+		d.log.InfoContext(ctx, "resending the report of an earlier installation", "generation", r.GetGeneration(), "success", r.GetSuccess() != nil)
+		return
+	case r != nil:
+		// A report of an older generation, superseded by one started since.
+		_ = removeReport(dir)
+	}
+	if st.started {
+		d.report = install.ErrorReport(st.gen, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
+			"(killed, or the machine restarted); the target may be partly written", st.gen))
+		d.log.WarnContext(ctx, "an earlier installation was interrupted; reporting it failed", "generation", st.gen)
+		if err := writeReport(dir, d.report, false); err != nil {
+			d.log.ErrorContext(ctx, "keeping installation report", "err", err)
+		}
+	}
+}
+
+// finished takes the report of the installation that just ended: it is
+// kept in the state directory, and sent with every heartbeat, until the
+// server acknowledges it.
+func (d *daemon) finished(ctx context.Context, r *agentv1.OSInstallationReport) {
+	d.installing = false
+	if msg := r.GetError().GetMessage(); r.GetError() != nil && msg != install.SendableText(msg, install.MaxErrorBytes) {
+		r = install.ErrorReport(r.GetGeneration(), msg)
+	}
+	d.report = r
+	d.log.InfoContext(ctx, "installation finished", "generation", r.GetGeneration(), "success", r.GetSuccess() != nil)
+	if err := writeReport(d.cfg.StateDir, r, d.reboot); err != nil {
+		d.log.ErrorContext(ctx, "keeping the installation report; it is lost if the agent stops before the server has it", "err", err)
+	}
+}
+
+// acknowledged forgets the report the server stored, and reboots if the
+// installation asked for it.
+func (d *daemon) acknowledged(ctx context.Context) {
+	r := d.report
+	d.report = nil
+	if r.GetGeneration() == d.handled && !d.installing {
+		if err := writeGeneration(d.cfg.StateDir, generationState{gen: r.GetGeneration()}); err != nil {
+			// The report stays on disk and is sent again after a restart.
+			d.log.ErrorContext(ctx, "recording the delivered installation report", "err", err)
+		} else if err := removeReport(d.cfg.StateDir); err != nil {
+			d.log.ErrorContext(ctx, "recording the delivered installation report", "err", err)
+		}
+	} else if err := removeReport(d.cfg.StateDir); err != nil {
+		d.log.ErrorContext(ctx, "recording the delivered installation report", "err", err)
+	}
+	if d.reboot && r.GetSuccess() != nil {
+		d.runReboot(ctx)
+	}
+	d.reboot = false
 }
 
 func (d *daemon) run(ctx context.Context) error {
+	d.recoverInstallation(ctx)
 	hw := hwreport.Gather(d.cfg.HardwareRoot)
 	for _, w := range hw.GetWarnings() {
 		d.log.WarnContext(ctx, "hardware report incomplete", "warning", w)
@@ -177,24 +288,40 @@ func (d *daemon) run(ctx context.Context) error {
 		case <-ctx.Done():
 			d.log.InfoContext(ctx, "agent daemon stopping")
 			if d.installing {
-				<-d.done // the installation sees ctx too
+				// The installation sees ctx too; its report is kept.
+				d.finished(context.WithoutCancel(ctx), <-d.done)
 			}
 			return nil
 		case r := <-d.done:
-			d.installing = false
-			d.report = r
-			d.log.InfoContext(ctx, "installation finished", "generation", r.GetGeneration(), "success", r.GetSuccess() != nil)
+			d.finished(ctx, r)
 		case <-timer.C:
 		}
-		req := &agentv1.HeartbeatRequest{MachineId: d.init.GetMachineId(), AgentVersion: Version(), InstallationReport: d.report}
-		if hw != nil {
-			req.HardwareReport = hw
-		}
+		// The reports go with every heartbeat until the server says it
+		// stored them: an accepted heartbeat alone does not say so.
+		req := &agentv1.HeartbeatRequest{MachineId: d.init.GetMachineId(), AgentVersion: Version(), InstallationReport: d.report, HardwareReport: hw}
 		rctx, cancel := context.WithTimeout(ctx, heartbeatTimeout)
 		resp, err := d.client.Heartbeat(rctx, connect.NewRequest(req))
 		cancel()
 		if err != nil {
 			if ctx.Err() != nil {
+				continue
+			}
+			if connect.CodeOf(err) == connect.CodePermissionDenied {
+				d.log.WarnContext(ctx, "the callback server says this machine was decommissioned; the agent stops for good", "err", err)
+				stopInstall()
+				if d.installing {
+					<-d.done
+				}
+				return ErrRetired
+			}
+			if wait, ok := retryPushback(err); ok {
+				// The server is reachable but cannot record heartbeats
+				// now (its database is down or busy), and said when to
+				// retry. Backing off as if the network were down would
+				// leave this machine silent past its heartbeat timeout.
+				backoff = 0
+				d.log.WarnContext(ctx, "heartbeat not recorded, retrying as the server asks", "err", err, "retry_in", wait.Round(time.Millisecond))
+				timer.Reset(wait)
 				continue
 			}
 			// The first retry comes soon: a new agent's first heartbeats race
@@ -207,14 +334,14 @@ func (d *daemon) run(ctx context.Context) error {
 			continue
 		}
 		backoff = 0
-		hw = nil // delivered
-		if req.InstallationReport != nil {
-			delivered := d.report
-			d.report = nil
-			if d.reboot && delivered.GetSuccess() != nil {
-				d.runReboot(ctx)
-			}
-			d.reboot = false
+		if resp.Msg.GetHardwareReportRecorded() {
+			hw = nil
+		}
+		if sent := req.GetInstallationReport(); sent != nil && sent == d.report && resp.Msg.GetInstallationReportRecorded() == sent.GetGeneration() {
+			d.acknowledged(ctx)
+		}
+		if d.stateLost {
+			d.refuseUnknown(ctx, resp.Msg.GetInstallationRequest())
 		}
 		if ir := resp.Msg.GetInstallationRequest(); ir != nil {
 			d.maybeInstall(installCtx, ir)
@@ -227,16 +354,58 @@ func (d *daemon) run(ctx context.Context) error {
 	}
 }
 
+// refuseUnknown settles which generations are new when the generation
+// file was unreadable. The server asks only for an installation it has no
+// report of, so the one it asks for in the first response (ir, nil if none)
+// may have run already (its report lost with the state): it is refused with
+// an error report, and a new request installs. Every later generation is new.
+func (d *daemon) refuseUnknown(ctx context.Context, ir *agentv1.OSInstallationRequest) {
+	d.stateLost = false
+	if ir == nil {
+		if err := writeGeneration(d.cfg.StateDir, generationState{}); err != nil {
+			d.log.ErrorContext(ctx, "resetting the installation state", "err", err)
+		}
+		return
+	}
+	g := ir.GetGeneration()
+	d.handled = g
+	d.report = install.ErrorReport(g, fmt.Sprintf("not installing generation %d: the agent's record of the installations it ran "+
+		"was unreadable, so it may have run already; request the installation again", g))
+	d.log.ErrorContext(ctx, "refusing an installation that may have run already", "generation", g)
+	if err := writeGeneration(d.cfg.StateDir, generationState{gen: g, started: true}); err != nil {
+		d.log.ErrorContext(ctx, "recording the refused installation", "err", err)
+	}
+	if err := writeReport(d.cfg.StateDir, d.report, false); err != nil {
+		d.log.ErrorContext(ctx, "keeping installation report", "err", err)
+	}
+}
+
+// retryPushback returns the jittered wait an Unavailable answer asks for
+// with gRPC's retry pushback, bounded to [minPushback, maxPushback], and
+// whether it asked for one.
+func retryPushback(err error) (time.Duration, bool) {
+	var cerr *connect.Error
+	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable {
+		return 0, false
+	}
+	ms, perr := strconv.ParseInt(cerr.Meta().Get(retryPushbackKey), 10, 64)
+	if perr != nil || ms < 0 {
+		return 0, false
+	}
+	return min(max(jitter(time.Duration(min(ms, maxPushback.Milliseconds()))*time.Millisecond), minPushback), maxPushback), true
+}
+
 // maybeInstall starts the installation ir asks for unless its generation
 // was already handled (by this daemon or, through the state directory, by an
 // earlier one) or another installation runs. The generation is recorded
-// before the installation starts, so no generation is ever installed twice.
+// durably before the installation starts, so no generation is ever
+// installed twice.
 func (d *daemon) maybeInstall(ctx context.Context, ir *agentv1.OSInstallationRequest) {
 	if ir.GetGeneration() <= d.handled || d.installing {
 		return
 	}
-	if err := d.writeGeneration(ir.GetGeneration()); err != nil {
-		d.log.ErrorContext(ctx, "recording installation generation; not installing", "generation", ir.GetGeneration(), "err", err)
+	if err := writeGeneration(d.cfg.StateDir, generationState{gen: ir.GetGeneration(), started: true}); err != nil {
+		d.log.ErrorContext(ctx, "not installing", "generation", ir.GetGeneration(), "err", err)
 		return
 	}
 	d.handled = ir.GetGeneration()
@@ -255,27 +424,6 @@ func (d *daemon) runReboot(ctx context.Context) {
 	if err != nil {
 		d.log.ErrorContext(ctx, "reboot command failed", "err", err, "output", string(out))
 	}
-}
-
-func (d *daemon) readGeneration() int64 {
-	data, err := os.ReadFile(filepath.Join(d.cfg.StateDir, generationFile))
-	if err != nil {
-		return 0
-	}
-	g, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
-	if err != nil {
-		return 0
-	}
-	return g
-}
-
-func (d *daemon) writeGeneration(g int64) error {
-	path := filepath.Join(d.cfg.StateDir, generationFile)
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, []byte(strconv.FormatInt(g, 10)+"\n"), 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
 }
 
 // jitter spreads d by ±20 %, so agents that failed together retry apart.

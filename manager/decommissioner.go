@@ -6,11 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"path"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -23,6 +27,37 @@ type DecommissionerConfig struct {
 	// Backoff applies when the provider fails to release a machine;
 	// default bmdb.DecommissionBackoff().
 	Backoff bmdb.BackoffPolicy
+	// AgentStop, if set, is how the agent of a machine the provider cannot
+	// release is stopped over SSH; nil leaves it to stop by itself at its
+	// next heartbeat (see Decommissioner).
+	AgentStop *AgentStopConfig
+}
+
+// AgentStopConfig says how the decommissioner reaches a machine's agent over
+// SSH to stop it: as the initializer reached it to start it.
+type AgentStopConfig struct {
+	// SSHKey is Shepherd's SSH client key; required.
+	SSHKey ssh.Signer
+	// SSHUser logs in unless the provider names another user; default root.
+	SSHUser string
+	// AgentDir is the remote directory of the agent, as
+	// InitializerConfig.AgentDir; default /var/lib/shepherd-agent.
+	AgentDir string
+	// Timeout bounds dialing and stopping together; default 1m.
+	Timeout time.Duration
+}
+
+// Validate reports the first problem with the configuration. It changes nothing.
+func (c AgentStopConfig) Validate() error {
+	switch {
+	case c.SSHKey == nil:
+		return errors.New("decommissioner: AgentStop.SSHKey is required")
+	case c.AgentDir != "" && !path.IsAbs(c.AgentDir):
+		return fmt.Errorf("decommissioner: AgentStop.AgentDir must be an absolute path, got %q", c.AgentDir)
+	case c.Timeout < 0:
+		return fmt.Errorf("decommissioner: AgentStop.Timeout must be >= 0 (0 = default 1m), got %s", c.Timeout)
+	}
+	return nil
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
@@ -32,6 +67,11 @@ func (c DecommissionerConfig) Validate() error {
 	}
 	if c.ReleaseTimeout < 0 {
 		return fmt.Errorf("decommissioner: ReleaseTimeout must be >= 0 (0 = default 5m), got %s", c.ReleaseTimeout)
+	}
+	if c.AgentStop != nil {
+		if err := c.AgentStop.Validate(); err != nil {
+			return err
+		}
 	}
 	if c.Backoff != (bmdb.BackoffPolicy{}) {
 		return c.Backoff.Validate()
@@ -46,19 +86,24 @@ func (c DecommissionerConfig) Validate() error {
 // transaction that finishes the work, deletes the machine's live tags and
 // sets its decommissioned-at time; the machines row and its history stay.
 //
-// The agent has no stop RPC. Deleting AgentStarted is what stops it
-// counting: the callback server authenticates every heartbeat against
-// AgentStarted, so from then on it refuses the agent's heartbeats as
-// Unauthenticated, whether or not the provider released the machine. A
-// provider that cannot release (a static inventory) only forgets the
+// A provider that cannot release (a static inventory) only forgets the
 // machine, and the provisioner never takes its provider id into the fleet
-// again.
+// again; its agent would run on. With AgentStop configured, the
+// decommissioner first stops that agent over SSH (shepherd-agent stop), as
+// the initializer reached it: only to a host whose key is pinned or
+// recorded, never on first use. This is best effort: a machine that cannot
+// be reached, or whose agent will not stop, is decommissioned all the same.
+// Whatever happens over SSH, deleting AgentStarted ends the agent's say:
+// the callback server answers the heartbeats of a decommissioned machine's
+// last key with PermissionDenied, on which the agent exits for good.
 type Decommissioner struct {
 	cfg      DecommissionerConfig
 	p        provider.Provider
+	db       *bmdb.DB
 	rel      provider.Releaser // nil if p cannot release machines
 	runner   *Runner
 	releases *prometheus.CounterVec
+	stops    *prometheus.CounterVec
 }
 
 // NewDecommissioner validates cfg and returns the decommissioner of
@@ -68,12 +113,25 @@ func NewDecommissioner(cfg DecommissionerConfig, db *bmdb.DB, p provider.Provide
 		return nil, err
 	}
 	cfg.ReleaseTimeout = cmp.Or(cfg.ReleaseTimeout, 5*time.Minute)
+	if cfg.AgentStop != nil {
+		as := *cfg.AgentStop // a copy: the caller's value is untouched
+		as.SSHUser = cmp.Or(as.SSHUser, "root")
+		as.AgentDir = cmp.Or(as.AgentDir, "/var/lib/shepherd-agent")
+		as.Timeout = cmp.Or(as.Timeout, time.Minute)
+		cfg.AgentStop = &as
+	}
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.DecommissionBackoff()
 	}
 	d := &Decommissioner{
 		cfg: cfg,
 		p:   p,
+		db:  db,
+		stops: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name:        "shepherd_decommissioner_agent_stops_total",
+			Help:        "Agents of machines the provider cannot release that the decommissioner tried to stop over SSH, by result (stopped, failed, unverified: no pinned or recorded host key, so not tried).",
+			ConstLabels: prometheus.Labels{"provider": p.Name()},
+		}, []string{"result"}),
 		releases: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name:        "shepherd_decommissioner_releases_total",
 			Help:        "Machines the decommissioner asked the provider to release, by result (released, gone: the provider no longer had it, error, unsupported: the provider cannot release and only forgets).",
@@ -81,11 +139,16 @@ func NewDecommissioner(cfg DecommissionerConfig, db *bmdb.DB, p provider.Provide
 		}, []string{"result"}),
 	}
 	d.rel, _ = p.(provider.Releaser)
-	if err := register(reg, d.releases); err != nil {
-		return nil, fmt.Errorf("decommissioner: %w", err)
+	for _, c := range []prometheus.Collector{d.releases, d.stops} {
+		if err := register(reg, c); err != nil {
+			return nil, fmt.Errorf("decommissioner: %w", err)
+		}
 	}
 	for _, r := range []string{"released", "gone", "error", "unsupported"} {
 		d.releases.WithLabelValues(r)
+	}
+	for _, r := range []string{"stopped", "failed", "unverified"} {
+		d.stops.WithLabelValues(r)
 	}
 	var err error
 	d.runner, err = NewRunner("decommissioner", cfg.Loop, Loop{
@@ -109,6 +172,9 @@ func (d *Decommissioner) decommission(ctx context.Context, t *Task) (FinishFunc,
 	released := false
 	if d.rel == nil {
 		d.releases.WithLabelValues("unsupported").Inc()
+		if d.cfg.AgentStop != nil {
+			d.stopAgent(ctx, t)
+		}
 		t.Log.InfoContext(ctx, "provider cannot release machines; forgetting the machine", "provider_id", t.Machine.ProviderID)
 	} else {
 		rctx, cancel := context.WithTimeout(ctx, d.cfg.ReleaseTimeout)
@@ -135,4 +201,47 @@ func (d *Decommissioner) decommission(ctx context.Context, t *Task) (FinishFunc,
 		_, err := tx.Decommission(ctx, id, released)
 		return err
 	}, nil
+}
+
+// stopAgent stops the machine's agent over SSH, as far as it can: what
+// fails is logged, and the decommission goes on.
+func (d *Decommissioner) stopAgent(ctx context.Context, t *Task) {
+	cfg := d.cfg.AgentStop
+	target, trust, err := machineTarget(ctx, d.db, d.p, t.Machine.MachineID, t.Machine.ProviderID, cfg.SSHUser, cfg.SSHKey)
+	if err != nil {
+		d.stops.WithLabelValues("failed").Inc()
+		t.Log.WarnContext(ctx, "cannot stop the agent over SSH; it stops at its next heartbeat", "err", err)
+		return
+	}
+	if trust.inForce == nil {
+		// Trusting a key on first use is for a takeover, which records
+		// it; a machine never taken over has no agent to stop.
+		d.stops.WithLabelValues("unverified").Inc()
+		t.Log.InfoContext(ctx, "no pinned or recorded host key; not stopping the agent over SSH")
+		return
+	}
+	target.HostKey = trust.inForce
+	sctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	dir := expandAgentDir(cfg.AgentDir, t.Machine)
+	cmd := strings.Join([]string{shellQuote(path.Join(dir, "shepherd-agent")), "stop", "--state-dir", shellQuote(path.Join(dir, "state"))}, " ")
+	if err := runOverSSH(sctx, target, cmd); err != nil {
+		d.stops.WithLabelValues("failed").Inc()
+		t.Log.WarnContext(ctx, "stopping the agent over SSH failed; it stops at its next heartbeat", "err", err)
+		return
+	}
+	d.stops.WithLabelValues("stopped").Inc()
+	t.Log.InfoContext(ctx, "agent stopped over SSH")
+}
+
+// runOverSSH runs cmd on target; ctx bounds everything, even a machine
+// that goes silent.
+func runOverSSH(ctx context.Context, target sshx.Target, cmd string) error {
+	client, err := sshx.Dial(ctx, target)
+	if err != nil {
+		return fmt.Errorf("connecting to %s: %w", target.Addr, err)
+	}
+	defer client.Close()
+	_, err = sshx.Run(ctx, client, cmd, nil, 64<<10)
+	return err
 }

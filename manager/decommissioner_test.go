@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -13,9 +14,11 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/sshtest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/provider/sim"
@@ -252,7 +255,8 @@ type unreleasable struct {
 
 // TestDecommissionUnreleasedSimMachine decommissions a simulated machine
 // whose provider cannot release it: its agent keeps running and sending
-// heartbeats, and the callback server refuses every one of them.
+// heartbeats, and the callback server refuses every one of them as retired
+// (PermissionDenied, which tells a real agent to stop).
 func TestDecommissionUnreleasedSimMachine(t *testing.T) {
 	t.Parallel()
 	const machines = 3
@@ -405,4 +409,86 @@ func TestDecommissionReleaseFails(t *testing.T) {
 	if got := counter(t, reg, "shepherd_decommissioner_releases_total", "provider=lab,result=error"); got < 2 {
 		t.Errorf("releases_total{result=error} = %v, want >= 2", got)
 	}
+}
+
+// stoppableAgent is the fake agent binary of TestDecommissionStopsAgentOverSSH:
+// takeover as fakeAgent, and "stop --state-dir DIR" records its arguments in
+// DIR/../stopped.
+const stoppableAgent = `#!/bin/sh
+case "$1" in
+takeover) cat >/dev/null; exec cat "$(dirname "$3")/response" ;;
+stop) echo "$@" >"$(dirname "$3")/stopped" ;;
+*) exit 2 ;;
+esac
+`
+
+// TestDecommissionStopsAgentOverSSH: a static machine cannot be released, so
+// its agent would run on after the decommission (issue 10, item 23). The
+// decommissioner stops it over SSH through the host key recorded at the
+// takeover; a machine it cannot reach is decommissioned all the same (its
+// agent stops when the server answers it PermissionDenied).
+func TestDecommissionStopsAgentOverSSH(t *testing.T) {
+	t.Parallel()
+	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
+		key := sshtest.NewKey(t)
+		hosts := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
+		f := newSSHFixture(t, hosts, key, fmt.Sprintf(`machines:
+  - {id: reachable, address: HOST_0, port: PORT_0}
+  - {id: unreachable, address: 127.0.0.1, port: %d, host_key: KEY_0_0}
+`, closedPort(t)))
+		if err := os.WriteFile(f.agent, []byte(stoppableAgent), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		f.startInitializer()
+		if started, cause := f.takeover("reachable", 0); !started {
+			t.Fatalf("agent start failed: %s", cause)
+		}
+
+		reg := prometheus.NewRegistry()
+		d, err := manager.NewDecommissioner(manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
+			SSHKey: key, SSHUser: hosts[0].User, AgentDir: filepath.Join(f.agents, "{provider_id}"), Timeout: 20 * time.Second,
+		}}, f.db.DB, f.p, reg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- d.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("decommissioner: %v", err)
+			}
+		})
+		for _, pid := range []string{"reachable", "unreachable"} {
+			requestDecommission(t, f.db, f.machines[pid])
+		}
+		for _, pid := range []string{"reachable", "unreachable"} {
+			waitDecommissioned(t, f.db, f.machines[pid])
+		}
+		got, err := os.ReadFile(filepath.Join(f.agents, "reachable", "stopped"))
+		if err != nil {
+			t.Fatalf("the agent of the reachable machine was not stopped: %v", err)
+		}
+		if want := "stop --state-dir " + filepath.Join(f.agents, "reachable", "state") + "\n"; string(got) != want {
+			t.Errorf("the agent was run with %q, want %q", got, want)
+		}
+		for result, want := range map[string]float64{"stopped": 1, "failed": 1, "unverified": 0} {
+			if got := counter(t, reg, "shepherd_decommissioner_agent_stops_total", "provider=lab,result="+result); got != want {
+				t.Errorf("agent stops %s = %v, want %v", result, got, want)
+			}
+		}
+	})
+}
+
+// closedPort returns a loopback TCP port nothing listens on.
+func closedPort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	return port
 }

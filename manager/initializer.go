@@ -129,28 +129,7 @@ func (in *Initializer) Run(ctx context.Context) error { return in.runner.Run(ctx
 
 // startAgent takes one machine over.
 func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, error) {
-	m, err := in.p.GetMachine(ctx, t.Machine.ProviderID)
-	if err != nil {
-		return nil, fmt.Errorf("asking %s for machine %s: %w", in.p.Name(), t.Machine.ProviderID, err)
-	}
-	target := sshx.Target{Addr: m.Addr().String(), User: in.cfg.SSHUser, Keys: []ssh.Signer{in.cfg.SSHKey}}
-	var pinned ssh.PublicKey
-	if a, ok := in.p.(provider.SSHAccessor); ok {
-		access, err := a.SSHAccess(ctx, t.Machine.ProviderID)
-		if err != nil {
-			return nil, fmt.Errorf("asking %s how to reach machine %s: %w", in.p.Name(), t.Machine.ProviderID, err)
-		}
-		if access.User != "" {
-			target.User = access.User
-		}
-		target.SecretKeys, target.SecretAuth, target.SecretsOnFirstUse = access.Signers, access.Auth, access.SecretsOnFirstUse
-		target.Dial = access.Dial
-		pinned = access.HostKey
-	}
-	if target.Dial == nil && !m.Addr().IsValid() {
-		return nil, fmt.Errorf("%s has no address for machine %s yet", in.p.Name(), t.Machine.ProviderID)
-	}
-	trust, err := loadHostKeyTrust(ctx, in.db, t.Machine.MachineID, pinned)
+	target, trust, err := machineTarget(ctx, in.db, in.p, t.Machine.MachineID, t.Machine.ProviderID, in.cfg.SSHUser, in.cfg.SSHKey)
 	if err != nil {
 		return nil, err
 	}

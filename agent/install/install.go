@@ -65,6 +65,7 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/protobuf/proto"
 
@@ -245,12 +246,43 @@ func Install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest
 
 // errorReport returns the report of a failed installation.
 func errorReport(generation int64, err error) *agentv1.OSInstallationReport {
+	return ErrorReport(generation, err.Error())
+}
+
+// MaxErrorBytes bounds the message of an error report, which is what the
+// server stores of it.
+const MaxErrorBytes = 4096
+
+// ErrorReport returns the report of a failed installation of generation
+// with message msg made sendable: valid UTF-8 (protobuf refuses to encode a
+// string that is not, so the report could never be sent), without NUL bytes
+// (PostgreSQL refuses them) and at most MaxErrorBytes long, cut on a
+// character boundary with "..." marking the cut. Error texts quote what
+// others wrote (an HTTP status line, a file name), so any of these can occur.
+func ErrorReport(generation int64, msg string) *agentv1.OSInstallationReport {
 	return &agentv1.OSInstallationReport{
 		Generation: generation,
 		Result: &agentv1.OSInstallationReport_Error{
-			Error: &agentv1.InstallationError{Message: err.Error()},
+			Error: &agentv1.InstallationError{Message: SendableText(msg, MaxErrorBytes)},
 		},
 	}
+}
+
+// SendableText returns s as valid UTF-8 without NUL bytes (each invalid
+// byte sequence and NUL becomes U+FFFD), cut to at most n bytes on a
+// character boundary, ending in "..." if it was cut.
+func SendableText(s string, n int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
+	if len(s) <= n {
+		return s
+	}
+	const mark = "..."
+	cut := max(n-len(mark), 0)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark[:min(len(mark), n)]
 }
 
 // install does Install's work and returns its first error.

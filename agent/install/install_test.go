@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"math/rand/v2"
@@ -19,9 +20,12 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
+
+	"go.uber.org/goleak"
+	"google.golang.org/protobuf/proto"
 
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
-	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) {
@@ -699,5 +703,61 @@ func TestCheckStaged(t *testing.T) {
 				t.Fatalf("checkStaged() = %v, want an error mentioning %q", err, tt.errMsg)
 			}
 		})
+	}
+}
+
+// TestInstallErrorIsSendable: an error message quotes what others wrote (here
+// an image server's status line: invalid UTF-8, and long). The report must
+// still be encodable as protobuf, which refuses invalid UTF-8 in strings (the
+// agent could never send it, and would retry it forever), and bounded, cut on
+// a character boundary.
+func TestInstallErrorIsSendable(t *testing.T) {
+	_, sum := testImage(t)
+	reason := "bad \xff\xfe gateway " + strings.Repeat("é", 5000) // 10 KB; é is 2 bytes
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		conn, buf, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close()
+		fmt.Fprintf(buf, "HTTP/1.1 502 %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", reason)
+		buf.Flush()
+	})
+	target := existingTarget(t, []byte("old"))
+
+	report := Install(t.Context(), allowing(t, target), request(srv.URL+"/image.raw", sum, target))
+	msg := report.GetError().GetMessage()
+	if !strings.Contains(msg, "502") {
+		t.Fatalf("report %v, want an error naming the status 502", report)
+	}
+	if !utf8.ValidString(msg) {
+		t.Errorf("error message is not valid UTF-8: %q", msg[:min(len(msg), 80)])
+	}
+	if len(msg) > MaxErrorBytes {
+		t.Errorf("error message has %d bytes, want at most %d", len(msg), MaxErrorBytes)
+	}
+	if _, err := proto.Marshal(report); err != nil {
+		t.Errorf("the report cannot be encoded: %v", err)
+	}
+}
+
+func TestSendableText(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		n    int
+		want string
+	}{
+		{"plain", 10, "plain"},
+		{"a\xffb\x00c", 20, "a\uFFFDb\uFFFDc"},
+		{"abcdefghij", 8, "abcde..."},
+		{"ééééé", 8, "éé..."}, // 4 bytes of é fit before the mark, a fifth byte would split one
+		{"éééé", 7, "éé..."},
+		{"abc", 2, ".."},
+	} {
+		got := SendableText(c.in, c.n)
+		if got != c.want || len(got) > c.n || !utf8.ValidString(got) {
+			t.Errorf("SendableText(%q, %d) = %q, want %q", c.in, c.n, got, c.want)
+		}
 	}
 }

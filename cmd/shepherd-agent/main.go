@@ -6,11 +6,17 @@
 // TakeoverResponse to stdout. Its exit status is 0 whenever a response was
 // written, including a TakeoverError; it is 1 only if not even that worked.
 // The "daemon" mode is started by the takeover and reads its configuration
-// from an inherited pipe; "version" prints the version.
+// from an inherited pipe; it runs until SIGTERM, or until the callback
+// server says the machine was decommissioned (PermissionDenied), when it
+// exits 0 for good: nothing supervises or restarts it, and only a new
+// takeover starts another daemon. "stop --state-dir DIR" stops the daemon of
+// DIR, if one runs, and exits 0 once it is gone (the decommissioner runs it
+// over SSH). "version" prints the version.
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -18,6 +24,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/shepherd/shepherd/agent"
 )
@@ -38,16 +45,24 @@ func run(args []string) int {
 	case "daemon":
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 		defer stop()
-		if err := agent.RunDaemon(ctx, log); err != nil {
+		err := agent.RunDaemon(ctx, log)
+		switch {
+		case errors.Is(err, agent.ErrRetired):
+			// The daemon logged why. Exiting 0 says this is the end it
+			// was told to come to; nothing restarts the daemon.
+			return 0
+		case err != nil:
 			log.Error("agent daemon failed", "err", err)
 			return 1
 		}
 		return 0
+	case "stop":
+		return stop(args, log)
 	case "version":
 		fmt.Println("shepherd-agent", agent.Version())
 		return 0
 	default:
-		fmt.Fprintf(os.Stderr, "shepherd-agent: unknown mode %q (want takeover, daemon or version)\n", mode)
+		fmt.Fprintf(os.Stderr, "shepherd-agent: unknown mode %q (want takeover, daemon, stop or version)\n", mode)
 		return 2
 	}
 }
@@ -79,6 +94,21 @@ func takeover(args []string, log *slog.Logger) int {
 	}
 	if err := agent.Takeover(context.Background(), cfg, exe, os.Stdin, os.Stdout); err != nil {
 		log.Error("takeover", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func stop(args []string, log *slog.Logger) int {
+	fs := flag.NewFlagSet("stop", flag.ContinueOnError)
+	stateDir := fs.String("state-dir", "/var/lib/shepherd-agent", "state directory of the daemon to stop")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := agent.Stop(ctx, *stateDir, log); err != nil {
+		log.Error("stopping the agent daemon", "err", err)
 		return 1
 	}
 	return 0

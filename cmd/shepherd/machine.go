@@ -822,8 +822,12 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "decommission ID --reason TEXT",
 		Short: "Ask for a machine to leave the fleet",
-		Long: "Records a decommission request; the decommissioner then stops the agent, asks the provider\n" +
-			"to release the machine and deletes its live tags (SPEC §3.8). Asks for confirmation unless --yes.",
+		Long: "Records a decommission request. The decommissioner then asks the provider to release the\n" +
+			"machine, which ends its agent with it; a provider that cannot release (a static inventory) only\n" +
+			"forgets the machine, and its agent is stopped over SSH where the host is reachable with a pinned or\n" +
+			"recorded host key. It then deletes the machine's live tags (SPEC §3.8); history stays. An agent still\n" +
+			"running is refused from then on with PermissionDenied, on which it exits for good.\n" +
+			"Asks for confirmation unless --yes.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			id, err := parseMachineID(args[0])

@@ -48,7 +48,7 @@ func TestMetricsPassPromtool(t *testing.T) {
 			"shepherd_fleet_memory_bytes", "shepherd_fleet_cpu_threads", "shepherd_fleet_decommissioned_machines",
 			"shepherd_fleet_snapshot_timestamp_seconds",
 		}},
-		{"decommissioner", []string{"shepherd_decommissioner_releases_total", "shepherd_loop_claims_total"}},
+		{"decommissioner", []string{"shepherd_decommissioner_releases_total", "shepherd_decommissioner_agent_stops_total", "shepherd_loop_claims_total"}},
 	} {
 		t.Run(tc.components, func(t *testing.T) {
 			t.Parallel()

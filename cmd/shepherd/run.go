@@ -61,7 +61,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.StringSliceVar(&cfg.Server.Hosts, "server-hosts", nil, "callback server: names and addresses in the development certificate (default localhost, 127.0.0.1, ::1, hostname)")
 	fl.DurationVar(&cfg.Server.HeartbeatInterval, "heartbeat-interval", 30*time.Second, "callback server: how often agents are told to send heartbeats")
 
-	fl.StringVar(&cfg.SSHUser, "ssh-user", "root", "SSH user for agent starts and reboots (providers may name another)")
+	fl.StringVar(&cfg.SSHUser, "ssh-user", "root", "SSH user for agent starts, agent stops and reboots (providers may name another)")
 	fl.StringVar(&cfg.AgentEndpoint, "agent-endpoint", "", "callback server host:port as agents reach it (default: this process's server)")
 	fl.StringVar(&cfg.AgentCAFile, "agent-ca", "", "PEM CA agents verify the callback server with (default: this process's server CA)")
 
@@ -71,7 +71,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.Var(&in.Loop.QueryLimit, "initializer-query-limit", "initializer: candidate query rate as duration,burst")
 	fl.DurationVar(&in.ConnectTimeout, "ssh-connect-timeout", 30*time.Second, "initializer: bound on dialing and the SSH handshake")
 	fl.DurationVar(&in.ExecTimeout, "ssh-exec-timeout", 2*time.Minute, "initializer: bound on uploading and starting the agent")
-	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
+	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer, decommissioner: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
 
 	rc := &cfg.Recoverer
 	fl.IntVar(&rc.Loop.Parallelism, "recoverer-parallelism", 4, "recoverer: machines rebooted at once")

@@ -362,7 +362,11 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 		b.add(compUpdater, up.Run)
 	}
 	if has(compDecommissioner) {
-		dc, err := manager.NewDecommissioner(cfg.Decommissioner, s.db, p, s.reg, s.log)
+		dcfg := cfg.Decommissioner
+		// The agent of a machine the provider cannot release is stopped
+		// over SSH, reached as the initializer reached it.
+		dcfg.AgentStop = &manager.AgentStopConfig{SSHKey: signer, SSHUser: cfg.SSHUser, AgentDir: cfg.Initializer.AgentDir}
+		dc, err := manager.NewDecommissioner(dcfg, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}
