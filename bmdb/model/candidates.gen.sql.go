@@ -13,6 +13,36 @@ import (
 	"github.com/google/uuid"
 )
 
+const agentStartMatches = `-- name: AgentStartMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+    ) c
+    WHERE c.machine_id = $2::uuid
+)::boolean AS matches
+`
+
+type AgentStartMatchesParams struct {
+	Provider  string
+	MachineID uuid.UUID
+}
+
+// AgentStartMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) AgentStartMatches(ctx context.Context, arg AgentStartMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, agentStartMatches, arg.Provider, arg.MachineID)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
+}
+
 const claimAgentStartCandidate = `-- name: ClaimAgentStartCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
@@ -573,6 +603,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
         UNION ALL
@@ -582,6 +613,7 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -732,6 +764,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
         UNION ALL
@@ -741,6 +774,7 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -992,6 +1026,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
         UNION ALL
@@ -1001,6 +1036,7 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1049,6 +1085,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
         UNION ALL
@@ -1058,6 +1095,7 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c
 `
 
@@ -1076,6 +1114,35 @@ func (q *Queries) CountRecoveryMatching(ctx context.Context, arg CountRecoveryMa
 	var count int64
 	err := row.Scan(&count)
 	return count, err
+}
+
+const decommissionMatches = `-- name: DecommissionMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+    ) c
+    WHERE c.machine_id = $2::uuid
+)::boolean AS matches
+`
+
+type DecommissionMatchesParams struct {
+	Provider  string
+	MachineID uuid.UUID
+}
+
+// DecommissionMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) DecommissionMatches(ctx context.Context, arg DecommissionMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, decommissionMatches, arg.Provider, arg.MachineID)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
 }
 
 const listAgentStartCandidates = `-- name: ListAgentStartCandidates :many
@@ -1220,6 +1287,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
         UNION ALL
@@ -1229,6 +1297,7 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1265,6 +1334,8 @@ type ListRecoveryCandidatesParams struct {
 // read the partial indexes machine_provided_awaiting_first_heartbeat (whose
 // phase began when AgentStarted was set, so it bounds the start time) and
 // machine_agent_heartbeat_watched, so only silent machines are visited.
+// Machines the provider lost (Missing) or powered off (Stopped) are not
+// silent: there is no agent to recover, and a reboot could only fail.
 func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listRecoveryCandidates,
 		arg.Provider,
@@ -1290,4 +1361,52 @@ func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCa
 		return nil, err
 	}
 	return items, nil
+}
+
+const recoveryMatches = `-- name: RecoveryMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint
+          AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+    ) c
+    WHERE c.machine_id = $4::uuid
+)::boolean AS matches
+`
+
+type RecoveryMatchesParams struct {
+	Provider                string
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+	MachineID               uuid.UUID
+}
+
+// RecoveryMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) RecoveryMatches(ctx context.Context, arg RecoveryMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, recoveryMatches,
+		arg.Provider,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.HeartbeatTimeoutMs,
+		arg.MachineID,
+	)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
 }

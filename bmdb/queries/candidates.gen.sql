@@ -75,6 +75,23 @@ FROM (
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c;
 
+-- name: AgentStartMatches :one
+-- AgentStartMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
+
 -- name: ClaimAgentStartCandidate :one
 -- ClaimAgentStartCandidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of
@@ -325,6 +342,22 @@ FROM (
         WHERE p.provider = @provider
 ) c;
 
+-- name: DecommissionMatches :one
+-- DecommissionMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
+
 -- name: ClaimDecommissionCandidate :one
 -- ClaimDecommissionCandidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of
@@ -509,6 +542,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- read the partial indexes machine_provided_awaiting_first_heartbeat (whose
 -- phase began when AgentStarted was set, so it bounds the start time) and
 -- machine_agent_heartbeat_watched, so only silent machines are visited.
+-- Machines the provider lost (Missing) or powered off (Stopped) are not
+-- silent: there is no agent to recover, and a reboot could only fail.
 SELECT c.machine_id
 FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
@@ -516,6 +551,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
         UNION ALL
@@ -525,6 +561,7 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -553,6 +590,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
         UNION ALL
@@ -562,6 +600,7 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -592,6 +631,7 @@ FROM (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
         UNION ALL
@@ -601,7 +641,36 @@ FROM (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
 ) c;
+
+-- name: RecoveryMatches :one
+-- RecoveryMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+        UNION ALL
+        SELECT h.machine_id, h.agent_heartbeat_at AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE h.watched
+          AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+          AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
 
 -- name: ClaimRecoveryCandidate :one
 -- ClaimRecoveryCandidate claims the oldest free candidate for the process
@@ -629,6 +698,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
         UNION ALL
@@ -638,6 +708,7 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -725,6 +796,7 @@ WITH candidate AS (
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
         UNION ALL
@@ -734,6 +806,7 @@ WITH candidate AS (
         WHERE h.watched
           AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
