@@ -151,6 +151,9 @@ type JanitorResult struct {
 	SessionsDeleted int64
 	// TagsSwept is the number of stray tags of decommissioned machines deleted.
 	TagsSwept int64
+	// AdmissionsDeleted is the number of records of reboots admitted longer
+	// ago than any circuit breaker window (bmdb.MaxRecoveryWindow) deleted.
+	AdmissionsDeleted int64
 	// Fleet is what the gauges show now; zero if reading them failed.
 	Fleet bmdb.FleetSnapshot
 }
@@ -173,6 +176,9 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 		errs = append(errs, err)
 	}
 	j.metrics.tagsSwept.Add(float64(res.TagsSwept))
+	if res.AdmissionsDeleted, err = j.db.DeleteRecoveryAdmissions(ctx); err != nil {
+		errs = append(errs, err)
+	}
 	start := time.Now()
 	snap, err := j.db.FleetSnapshot(ctx, j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout)
 	took := time.Since(start)
@@ -183,9 +189,9 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 		j.fleet.set(snap, time.Now())
 		res.Fleet = snap
 	}
-	if res.Expired > 0 || res.SessionsDeleted > 0 || res.TagsSwept > 0 {
+	if res.Expired > 0 || res.SessionsDeleted > 0 || res.TagsSwept > 0 || res.AdmissionsDeleted > 0 {
 		j.log.InfoContext(ctx, "janitor pass", "expired_work", res.Expired, "sessions_deleted", res.SessionsDeleted,
-			"tags_swept", res.TagsSwept, "fleet_query", took.Round(time.Millisecond))
+			"tags_swept", res.TagsSwept, "admissions_deleted", res.AdmissionsDeleted, "fleet_query", took.Round(time.Millisecond))
 	} else {
 		j.log.DebugContext(ctx, "janitor pass", "fleet_query", took.Round(time.Millisecond))
 	}
