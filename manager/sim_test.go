@@ -3,8 +3,10 @@ package manager_test
 import (
 	"context"
 	"crypto/ed25519"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -256,3 +258,51 @@ type collectorFunc func(chan<- prometheus.Metric)
 
 func (collectorFunc) Describe(chan<- *prometheus.Desc)      {}
 func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
+
+// TestRebootStreakQuarantines: agents that can never reach the callback
+// server (the server is stopped) are rebooted MaxRebootsWithoutHeartbeat
+// times and then quarantined with a cause that says why, not rebooted
+// every first-heartbeat timeout forever (issue 10 item 8).
+func TestRebootStreakQuarantines(t *testing.T) {
+	t.Parallel()
+	const limit = 2
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 1, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: time.Second, FirstHeartbeatTimeout: time.Second, MaxRebootsPerWindow: 100,
+			// One machine is the whole fleet: its silence must not pause
+			// the breaker.
+			SilentFraction:             1,
+			MaxRebootsWithoutHeartbeat: limit,
+		},
+		interval: 200 * time.Millisecond,
+	})
+	f.waitHealthy(1, 60*time.Second)
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := refs[0]
+	f.StopServer()
+	var b bmdb.Backoff
+	bmdbtest.WaitFor(t, 60*time.Second, "machine quarantined for Recovery", func(ctx context.Context) (bool, error) {
+		b, err = f.db.GetBackoff(ctx, m.MachineID, bmdb.ProcessRecovery)
+		if errors.Is(err, bmdb.ErrNotFound) {
+			return false, nil
+		}
+		return err == nil && b.Quarantined, err
+	})
+	if !strings.Contains(b.Cause, "without a heartbeat in between") {
+		t.Errorf("quarantine cause %q does not say why", b.Cause)
+	}
+	if _, n := f.sim.Rebooted(m.ProviderID); n != limit {
+		t.Errorf("machine rebooted %d times, want %d before the quarantine", n, limit)
+	}
+	h, err := f.db.History(t.Context(), bmdb.HistoryFilter{MachineID: m.MachineID, Process: bmdb.ProcessRecovery})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range h {
+		t.Logf("%s %s %s", e.At.Format("15:04:05.000"), e.Event, e.Cause)
+	}
+}
