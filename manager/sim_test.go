@@ -306,3 +306,43 @@ func TestRebootStreakQuarantines(t *testing.T) {
 		t.Logf("%s %s %s", e.At.Format("15:04:05.000"), e.Event, e.Cause)
 	}
 }
+
+// TestUnreachedRebootsDoNotCount: reboots of a dead machine that never
+// reach it fail (and back off) but do not use up the circuit breaker's
+// budget, which real recoveries need (issue 10 item 9).
+func TestUnreachedRebootsDoNotCount(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 2, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: time.Second, FirstHeartbeatTimeout: 30 * time.Second, MaxRebootsPerWindow: 1, SilentFraction: 1,
+		},
+		interval: 200 * time.Millisecond,
+	})
+	f.waitHealthy(2, 60*time.Second)
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := refs[0]
+	if err := f.sim.Kill(dead.ProviderID); err != nil {
+		t.Fatal(err)
+	}
+	bmdbtest.WaitFor(t, 60*time.Second, "two failed reboots of the dead machine", func(ctx context.Context) (bool, error) {
+		h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: dead.MachineID, Process: bmdb.ProcessRecovery})
+		failed := 0
+		for _, e := range h {
+			if e.Event == bmdb.EventFailed {
+				failed++
+			}
+		}
+		return err == nil && failed >= 2, err
+	})
+	st, err := manager.ReadBreaker(t.Context(), f.db.DB, f.sim.Name(), manager.RecovererConfig{MaxRebootsPerWindow: 1, SilentFraction: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.RebootsInWindow != 0 || st.Paused != "" {
+		t.Errorf("breaker after unreached reboots: %+v, want no reboot counted and no pause", st)
+	}
+}
