@@ -34,6 +34,9 @@ type Candidates interface {
 	list(ctx context.Context, q *model.Queries, p Process, limit int32) ([]uuid.UUID, error)
 	count(ctx context.Context, q *model.Queries, p Process) (int64, error)
 	matching(ctx context.Context, q *model.Queries) (int64, error)
+	// matches reports whether the definition selects machine by its tags
+	// alone, as matching counts them.
+	matches(ctx context.Context, q *model.Queries, machine uuid.UUID) (bool, error)
 	claim(ctx context.Context, q *model.Queries, c claimParams) (claimResult, error)
 }
 
@@ -72,6 +75,10 @@ func (c agentStartCandidates) count(ctx context.Context, q *model.Queries, p Pro
 
 func (c agentStartCandidates) matching(ctx context.Context, q *model.Queries) (int64, error) {
 	return q.CountAgentStartMatching(ctx, c.provider)
+}
+
+func (c agentStartCandidates) matches(ctx context.Context, q *model.Queries, machine uuid.UUID) (bool, error) {
+	return q.AgentStartMatches(ctx, model.AgentStartMatchesParams{Provider: c.provider, MachineID: machine})
 }
 
 func (c agentStartCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
@@ -134,6 +141,15 @@ func (c recoveryCandidates) matching(ctx context.Context, q *model.Queries) (int
 		Provider:                c.provider,
 		FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
 		HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
+	})
+}
+
+func (c recoveryCandidates) matches(ctx context.Context, q *model.Queries, machine uuid.UUID) (bool, error) {
+	return q.RecoveryMatches(ctx, model.RecoveryMatchesParams{
+		Provider:                c.provider,
+		FirstHeartbeatTimeoutMs: c.firstHeartbeatTimeout.Milliseconds(),
+		HeartbeatTimeoutMs:      c.heartbeatTimeout.Milliseconds(),
+		MachineID:               machine,
 	})
 }
 

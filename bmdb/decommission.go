@@ -48,6 +48,10 @@ func (c decommissionCandidates) matching(ctx context.Context, q *model.Queries) 
 	return q.CountDecommissionMatching(ctx, c.provider)
 }
 
+func (c decommissionCandidates) matches(ctx context.Context, q *model.Queries, machine uuid.UUID) (bool, error) {
+	return q.DecommissionMatches(ctx, model.DecommissionMatchesParams{Provider: c.provider, MachineID: machine})
+}
+
 func (c decommissionCandidates) claim(ctx context.Context, q *model.Queries, a claimParams) (claimResult, error) {
 	if a.strategy == ClaimPlainLimit {
 		r, err := q.ClaimDecommissionCandidatePlain(ctx, model.ClaimDecommissionCandidatePlainParams{

@@ -26,6 +26,12 @@ var ErrWorkConflict = errors.New("bmdb: work conflict")
 // had already ended.
 var ErrWorkEnded = errors.New("bmdb: work already ended")
 
+// ErrNotCandidate means a claimed machine no longer matches the candidate
+// query it was claimed from (its agent heartbeat again, another process
+// changed its tags): the side effect the work was claimed for must not
+// happen. It is nobody's failure; give the work back.
+var ErrNotCandidate = errors.New("bmdb: the machine is no longer a candidate")
+
 // ErrNotFound means the machine, session or record asked for does not exist.
 var ErrNotFound = errors.New("bmdb: not found")
 

@@ -33,7 +33,7 @@ const maxSearchLength = 256
 var fleetStates = []MachineState{
 	StateProvided, StateAgentStarting, StateAwaitingFirstHeartbeat, StateHealthy, StateSilent, StateRecovering,
 	StateInstalling, StateInstalled, StateInstallFailed, StateBackedOff, StateQuarantined, StateMissing,
-	StateDecommissioning,
+	StateStopped, StateDecommissioning,
 }
 
 // MachineStates returns every derived state a machine can be in, in the

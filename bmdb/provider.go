@@ -226,36 +226,6 @@ func (db *DB) UpdateConfirmedAt(ctx context.Context, provider string) (time.Time
 	return *at, nil
 }
 
-// RecoveryReboots counts the reboots the recoverer issued for provider's
-// machines within window, including those in flight.
-func (db *DB) RecoveryReboots(ctx context.Context, provider string, window time.Duration) (int64, error) {
-	n, err := db.q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{Provider: provider, WindowMs: window.Milliseconds()})
-	if err != nil {
-		return 0, fmt.Errorf("bmdb: counting recent reboots of %s: %w", provider, err)
-	}
-	return n, nil
-}
-
-// AdmitReboot decides, one decision at a time per provider (across all
-// processes), whether the reboot the session's live Recovery work is about
-// to issue stays within max reboots per window. The work already counts
-// itself, so it is admitted if the count, with it, is at most max.
-func (s *Session) AdmitReboot(ctx context.Context, provider string, window time.Duration, max int64) (bool, int64, error) {
-	var n int64
-	err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
-		if err := q.ProviderStateLock(ctx, provider); err != nil {
-			return err
-		}
-		var err error
-		n, err = q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{Provider: provider, WindowMs: window.Milliseconds()})
-		return err
-	})
-	if err != nil {
-		return false, 0, fmt.Errorf("bmdb: admitting a reboot on %s: %w", provider, err)
-	}
-	return n <= max, n, nil
-}
-
 // ProviderAgentCounts returns how many machines provider has, and how many
 // of them have a started, not installed agent.
 func (db *DB) ProviderAgentCounts(ctx context.Context, provider string) (provided, started int64, err error) {
@@ -454,7 +424,10 @@ const (
 	StateBackedOff              MachineState = "BackedOff"
 	StateQuarantined            MachineState = "Quarantined"
 	StateMissing                MachineState = "Missing"
-	StateDecommissioning        MachineState = "Decommissioning"
+	// StateStopped: the provider says the machine is powered off. Its
+	// agent cannot run, so it is neither silent nor taken over.
+	StateStopped         MachineState = "Stopped"
+	StateDecommissioning MachineState = "Decommissioning"
 )
 
 // FleetStates counts provider's machines per derived state. Silent uses

@@ -152,6 +152,17 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	stop := sshx.CloseWhenDone(ectx, client)
 	defer stop()
 
+	// The takeover replaces whatever agent runs on the machine: verify, as
+	// late as possible, that this worker still holds the machine and that
+	// it still has no agent. A worker stalled past its lease (a GC pause,
+	// SIGSTOP, a paused VM) finds here that another one took it over.
+	// Finish checks the work again when it records AgentStarted.
+	switch err := t.Session.CheckWork(ectx, bmdb.ProcessAgentStart, t.Machine.MachineID, bmdb.AgentStartCandidates(in.p.Name())); {
+	case errors.Is(err, bmdb.ErrNotCandidate):
+		return nil, fmt.Errorf("not taking over: %w: %w", err, ErrRetryLater)
+	case err != nil:
+		return nil, fmt.Errorf("not taking over: %w", err)
+	}
 	dir := expandAgentDir(in.cfg.AgentDir, t.Machine)
 	bin := path.Join(dir, "shepherd-agent")
 	if err := upload(client, in.cfg.AgentPath, bin); err != nil {

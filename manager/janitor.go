@@ -154,6 +154,9 @@ type JanitorResult struct {
 	// HoldsReleased is the number of ended Recovery backoffs of machines
 	// that heartbeat again, deleted.
 	HoldsReleased int64
+	// AdmissionsDeleted is the number of records of reboots admitted longer
+	// ago than any circuit breaker window (bmdb.MaxRecoveryWindow) deleted.
+	AdmissionsDeleted int64
 	// Fleet is what the gauges show now; zero if reading them failed.
 	Fleet bmdb.FleetSnapshot
 }
@@ -179,6 +182,9 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 	if res.HoldsReleased, err = j.db.ReleaseRecoveredHolds(ctx); err != nil {
 		errs = append(errs, err)
 	}
+	if res.AdmissionsDeleted, err = j.db.DeleteRecoveryAdmissions(ctx); err != nil {
+		errs = append(errs, err)
+	}
 	start := time.Now()
 	snap, err := j.db.FleetSnapshot(ctx, j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout)
 	took := time.Since(start)
@@ -189,9 +195,10 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 		j.fleet.set(snap, time.Now())
 		res.Fleet = snap
 	}
-	if res.Expired > 0 || res.SessionsDeleted > 0 || res.TagsSwept > 0 || res.HoldsReleased > 0 {
+	if res.Expired > 0 || res.SessionsDeleted > 0 || res.TagsSwept > 0 || res.HoldsReleased > 0 || res.AdmissionsDeleted > 0 {
 		j.log.InfoContext(ctx, "janitor pass", "expired_work", res.Expired, "sessions_deleted", res.SessionsDeleted,
-			"tags_swept", res.TagsSwept, "recovery_holds_released", res.HoldsReleased, "fleet_query", took.Round(time.Millisecond))
+			"tags_swept", res.TagsSwept, "recovery_holds_released", res.HoldsReleased,
+			"admissions_deleted", res.AdmissionsDeleted, "fleet_query", took.Round(time.Millisecond))
 	} else {
 		j.log.DebugContext(ctx, "janitor pass", "fleet_query", took.Round(time.Millisecond))
 	}

@@ -24,10 +24,21 @@ type RecovererConfig struct {
 	// (bmdb.RecoveryCandidates); defaults 30m and 10m.
 	FirstHeartbeatTimeout, HeartbeatTimeout time.Duration
 	// MaxRebootsPerWindow caps reboots of the provider's fleet per Window;
-	// 0 means 5 % of the provider's machines, at least 1.
+	// 0 means 5 % of the provider's machines, at least 1. Every admitted
+	// reboot counts, however its work ended (finished, failed, canceled,
+	// expired with a crashed process), except one whose request certainly
+	// never reached the machine (provider.ErrNotReached).
 	MaxRebootsPerWindow int
-	// Window is the breaker's window; default 10m.
+	// Window is the breaker's window; default 10m, at most
+	// bmdb.MaxRecoveryWindow.
 	Window time.Duration
+	// MaxRebootsWithoutHeartbeat quarantines a machine (for Recovery, until
+	// an operator resets it) instead of rebooting it again once it was
+	// rebooted this many times without a heartbeat in between: its agent
+	// starts but never reports (a rack that cannot reach the callback
+	// server), and rebooting it every first-heartbeat timeout forever helps
+	// nobody. Default 3.
+	MaxRebootsWithoutHeartbeat int
 	// SilentFraction pauses all reboots while more than this fraction of
 	// started machines is silent: so many silent agents at once mean the
 	// heartbeat path is broken, not the machines. Default 0.25.
@@ -46,8 +57,12 @@ func (c RecovererConfig) Validate() error {
 	switch {
 	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0:
 		return errors.New("recoverer: durations must be >= 0 (0 = default)")
+	case c.Window > bmdb.MaxRecoveryWindow:
+		return fmt.Errorf("recoverer: Window must be at most %s (reboots are kept that long), got %s", bmdb.MaxRecoveryWindow, c.Window)
 	case c.MaxRebootsPerWindow < 0:
 		return fmt.Errorf("recoverer: MaxRebootsPerWindow must be >= 0 (0 = 5%% of the fleet), got %d", c.MaxRebootsPerWindow)
+	case c.MaxRebootsWithoutHeartbeat < 0:
+		return fmt.Errorf("recoverer: MaxRebootsWithoutHeartbeat must be >= 0 (0 = default 3), got %d", c.MaxRebootsWithoutHeartbeat)
 	case c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction):
 		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
 	}
@@ -82,6 +97,7 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 	}
 	cfg = cfg.withBreakerDefaults()
 	cfg.RebootTimeout = cmp.Or(cfg.RebootTimeout, 5*time.Minute)
+	cfg.MaxRebootsWithoutHeartbeat = cmp.Or(cfg.MaxRebootsWithoutHeartbeat, 3)
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.RecoveryBackoff()
 	}
@@ -114,31 +130,58 @@ func (rc *Recoverer) candidates() bmdb.Candidates {
 // Run runs the recoverer until ctx ends.
 func (rc *Recoverer) Run(ctx context.Context) error { return rc.runner.Run(ctx) }
 
-// recover reboots one silent machine, if the breaker admits it.
+// recover reboots one silent machine, if the breaker admits it. The
+// admission verifies, in the transaction that records it, that the session
+// still holds the work and that the machine is still silent, so a worker
+// stalled past its lease (or one that lost a race with a heartbeat) does not
+// reboot a machine that another worker rebooted or that recovered.
 func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 	max, err := rc.breaker.budget(ctx)
 	if err != nil {
 		return nil, err
 	}
-	ok, _, err := t.Session.AdmitReboot(ctx, rc.p.Name(), rc.cfg.Window, max)
+	clearAgent := func(ctx context.Context, tx *bmdb.Tx) error {
+		return tx.ClearAgent(ctx, t.Machine.MachineID)
+	}
+	a, err := t.Session.AdmitReboot(ctx, bmdb.RebootRequest{
+		Provider: rc.p.Name(), MachineID: t.Machine.MachineID, Candidates: rc.candidates(),
+		Window: rc.cfg.Window, Max: max, StreakLimit: rc.cfg.MaxRebootsWithoutHeartbeat,
+	})
 	if err != nil {
 		return nil, err
 	}
-	if !ok {
-		// Another worker (or process) took the last reboot of the window
+	switch a.Decision {
+	case bmdb.RebootAdmitted:
+	case bmdb.RebootBudgetExhausted:
+		// Other workers (or processes) took the last reboots of the window
 		// between our check and our claim: give the machine back unjudged.
 		rc.breaker.refused(ctx)
 		return nil, errBreakerOpen
+	case bmdb.RebootNotSilent:
+		t.Log.InfoContext(ctx, "not rebooting: the machine is no longer silent")
+		return nil, fmt.Errorf("the machine is no longer silent: %w", ErrRetryLater)
+	case bmdb.RebootAlreadyIssued:
+		// A worker rebooted this agent incarnation and could not record
+		// it (it lost its session, or crashed): one reboot per silence.
+		t.Log.WarnContext(ctx, "not rebooting: this agent's machine was rebooted already; handing it to the initializer")
+		return clearAgent, nil
+	case bmdb.RebootStreakQuarantined:
+		return nil, errors.New(a.Cause)
+	default:
+		return nil, fmt.Errorf("admitting the reboot: unknown decision %q", a.Decision)
 	}
 	rctx, cancel := context.WithTimeout(ctx, rc.cfg.RebootTimeout)
 	defer cancel()
-	t.Log.InfoContext(ctx, "rebooting silent machine", "provider_id", t.Machine.ProviderID)
+	t.Log.InfoContext(ctx, "rebooting silent machine", "provider_id", t.Machine.ProviderID,
+		"reboots_in_window", a.InWindow, "reboots_without_heartbeat", a.Streak)
 	if err := rc.r.RebootMachine(rctx, t.Machine.ProviderID); err != nil {
-		return nil, fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
+		err = fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
+		if ferr := t.Session.RebootFailed(ctx, a, !errors.Is(err, provider.ErrNotReached)); ferr != nil {
+			t.Log.WarnContext(ctx, "recording the failed reboot", "err", ferr)
+		}
+		return nil, err
 	}
-	return func(ctx context.Context, tx *bmdb.Tx) error {
-		return tx.ClearAgent(ctx, t.Machine.MachineID)
-	}, nil
+	return clearAgent, nil
 }
 
 var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window used up: %w", ErrRetryLater)
@@ -174,7 +217,7 @@ func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
 		}, []string{"reason"}),
 		rebootsG: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name:        "shepherd_recovery_reboots_in_window",
-			Help:        "Reboots issued (or in flight) within the circuit breaker's window.",
+			Help:        "Reboots admitted within the circuit breaker's window (however their work ended), except those that never reached the machine.",
 			ConstLabels: labels,
 		}),
 		budgetG: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -275,8 +318,9 @@ type BreakerState struct {
 	Provided, Started, Silent int64
 	// SilentFraction is the threshold: above it no machine is rebooted.
 	SilentFraction float64
-	// RebootsInWindow were issued (or are in flight) within Window; Budget
-	// is the most the window allows.
+	// RebootsInWindow were admitted within Window, however their work
+	// ended, except those that never reached the machine; Budget is the
+	// most the window allows.
 	RebootsInWindow, Budget int64
 	Window                  time.Duration
 	// Paused is "" while reboots are allowed, else the reason they are held

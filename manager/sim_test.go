@@ -3,8 +3,10 @@ package manager_test
 import (
 	"context"
 	"crypto/ed25519"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -256,3 +258,91 @@ type collectorFunc func(chan<- prometheus.Metric)
 
 func (collectorFunc) Describe(chan<- *prometheus.Desc)      {}
 func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
+
+// TestRebootStreakQuarantines: agents that can never reach the callback
+// server (the server is stopped) are rebooted MaxRebootsWithoutHeartbeat
+// times and then quarantined with a cause that says why, not rebooted
+// every first-heartbeat timeout forever (issue 10 item 8).
+func TestRebootStreakQuarantines(t *testing.T) {
+	t.Parallel()
+	const limit = 2
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 1, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: time.Second, FirstHeartbeatTimeout: time.Second, MaxRebootsPerWindow: 100,
+			// One machine is the whole fleet: its silence must not pause
+			// the breaker.
+			SilentFraction:             1,
+			MaxRebootsWithoutHeartbeat: limit,
+		},
+		interval: 200 * time.Millisecond,
+	})
+	f.waitHealthy(1, 60*time.Second)
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := refs[0]
+	f.StopServer()
+	var b bmdb.Backoff
+	bmdbtest.WaitFor(t, 60*time.Second, "machine quarantined for Recovery", func(ctx context.Context) (bool, error) {
+		b, err = f.db.GetBackoff(ctx, m.MachineID, bmdb.ProcessRecovery)
+		if errors.Is(err, bmdb.ErrNotFound) {
+			return false, nil
+		}
+		return err == nil && b.Quarantined, err
+	})
+	if !strings.Contains(b.Cause, "without a heartbeat in between") {
+		t.Errorf("quarantine cause %q does not say why", b.Cause)
+	}
+	if _, n := f.sim.Rebooted(m.ProviderID); n != limit {
+		t.Errorf("machine rebooted %d times, want %d before the quarantine", n, limit)
+	}
+	h, err := f.db.History(t.Context(), bmdb.HistoryFilter{MachineID: m.MachineID, Process: bmdb.ProcessRecovery})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range h {
+		t.Logf("%s %s %s", e.At.Format("15:04:05.000"), e.Event, e.Cause)
+	}
+}
+
+// TestUnreachedRebootsDoNotCount: reboots of a dead machine that never
+// reach it fail (and back off) but do not use up the circuit breaker's
+// budget, which real recoveries need (issue 10 item 9).
+func TestUnreachedRebootsDoNotCount(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 2, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: time.Second, FirstHeartbeatTimeout: 30 * time.Second, MaxRebootsPerWindow: 1, SilentFraction: 1,
+		},
+		interval: 200 * time.Millisecond,
+	})
+	f.waitHealthy(2, 60*time.Second)
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := refs[0]
+	if err := f.sim.Kill(dead.ProviderID); err != nil {
+		t.Fatal(err)
+	}
+	bmdbtest.WaitFor(t, 60*time.Second, "two failed reboots of the dead machine", func(ctx context.Context) (bool, error) {
+		h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: dead.MachineID, Process: bmdb.ProcessRecovery})
+		failed := 0
+		for _, e := range h {
+			if e.Event == bmdb.EventFailed {
+				failed++
+			}
+		}
+		return err == nil && failed >= 2, err
+	})
+	st, err := manager.ReadBreaker(t.Context(), f.db.DB, f.sim.Name(), manager.RecovererConfig{MaxRebootsPerWindow: 1, SilentFraction: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.RebootsInWindow != 0 || st.Paused != "" {
+		t.Errorf("breaker after unreached reboots: %+v, want no reboot counted and no pause", st)
+	}
+}

@@ -121,7 +121,11 @@ type Provider interface {
 // or operating system; the recoverer needs it to reboot silent machines.
 type Recoverer interface {
 	// RebootMachine reboots the machine. It returns once the provider has
-	// accepted (or, where it can tell, carried out) the reboot.
+	// accepted (or, where it can tell, carried out) the reboot. An error
+	// wrapping ErrNotReached says the request certainly never reached the
+	// machine or the provider's API, so that nothing was done to the
+	// machine; the recoverer's circuit breaker does not count such a
+	// reboot. When in doubt, do not wrap it.
 	RebootMachine(ctx context.Context, id string) error
 	// ReinstallMachine reinstalls the machine's operating system from the
 	// provider's side. Providers that cannot return an error wrapping
@@ -200,6 +204,11 @@ type Reloader interface {
 var (
 	ErrNotFound    = errors.New("provider: machine not found")
 	ErrUnsupported = errors.New("provider: operation not supported")
+	// ErrNotReached means a request on a machine certainly never reached
+	// it (or the provider's API): the machine is not in the inventory any
+	// more, a connection could not be made, the request was refused before
+	// it was carried out. Nothing was done to the machine.
+	ErrNotReached = errors.New("provider: the request did not reach the machine")
 	// ErrRaceLost means someone else took the capacity a create asked for.
 	ErrRaceLost = errors.New("provider: capacity taken by someone else")
 )

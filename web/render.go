@@ -250,7 +250,7 @@ func stateClass(state any) string {
 	switch st := bmdb.MachineState(fmt.Sprint(state)); st {
 	case bmdb.StateHealthy, bmdb.StateInstalled:
 		return "ok"
-	case bmdb.StateSilent, bmdb.StateBackedOff, bmdb.StateMissing:
+	case bmdb.StateSilent, bmdb.StateBackedOff, bmdb.StateMissing, bmdb.StateStopped:
 		return "warn"
 	case bmdb.StateQuarantined, bmdb.StateInstallFailed:
 		return "bad"

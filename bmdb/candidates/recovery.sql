@@ -11,7 +11,9 @@
 -- Machines in Recovery backoff or quarantine are held (migration 00014) and
 -- in neither index; the third arm reads them from
 -- machine_provided_recovery_held in order of the end of their hold, only
--- those whose hold has ended.
+-- those whose hold has ended. Machines the provider lost (Missing) or
+-- powered off (Stopped) are not silent: there is no agent to recover, and a
+-- reboot could only fail.
 --
 -- Silence that overlaps the callback servers' own inability to record
 -- heartbeats does not count: no machine is silent while a heartbeat
@@ -25,6 +27,7 @@ JOIN machine_agent_started s ON s.machine_id = p.machine_id
 WHERE p.provider = @provider
   AND p.agent_phase = 'AwaitingFirstHeartbeat'
   AND p.recovery_held_until IS NULL
+  AND p.provider_status NOT IN ('Missing', 'Stopped')
   AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND NOT EXISTS (
@@ -39,6 +42,7 @@ FROM machine_agent_heartbeat h
 JOIN machine_provided p ON p.machine_id = h.machine_id
 WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
   AND p.provider = @provider
+  AND p.provider_status NOT IN ('Missing', 'Stopped')
   AND NOT EXISTS (
       SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
       WHERE rs.closed_at IS NULL
@@ -51,6 +55,7 @@ FROM machine_provided p
 WHERE p.provider = @provider
   AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
   AND p.recovery_held_until IS NOT NULL
+  AND p.provider_status NOT IN ('Missing', 'Stopped')
   AND p.recovery_held_until <= now() -- +gencandidates:not-in-matching
   AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
         AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint

@@ -137,8 +137,9 @@ CREATE INDEX machine_provided_recovery_held ON machine_provided (provider, recov
     WHERE agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating') AND recovery_held_until IS NOT NULL;
 
 -- Derived machine state (SPEC §3.7; see 00005 for its shape): Installed is a
--- derived state of a healthy machine (00013), and silence follows the
--- candidate holds.
+-- derived state of a healthy machine (00013), silence follows the candidate
+-- holds, and Missing and Stopped machines (00011) are never Silent: those
+-- states come first.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION machine_states(first_heartbeat_timeout_ms bigint, heartbeat_timeout_ms bigint)
 RETURNS TABLE (
@@ -159,6 +160,7 @@ SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.pro
        CASE
            WHEN f.decommission_requested THEN 'Decommissioning'
            WHEN p.provider_status = 'Missing' THEN 'Missing'
+           WHEN p.provider_status = 'Stopped' THEN 'Stopped'
            WHEN f.quarantined THEN 'Quarantined'
            WHEN f.agent_starting THEN 'AgentStarting'
            WHEN f.recovering THEN 'Recovering'

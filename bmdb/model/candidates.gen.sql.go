@@ -13,6 +13,37 @@ import (
 	"github.com/google/uuid"
 )
 
+const agentStartMatches = `-- name: AgentStartMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+    ) c
+    WHERE c.machine_id = $2::uuid
+)::boolean AS matches
+`
+
+type AgentStartMatchesParams struct {
+	Provider  string
+	MachineID uuid.UUID
+}
+
+// AgentStartMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) AgentStartMatches(ctx context.Context, arg AgentStartMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, agentStartMatches, arg.Provider, arg.MachineID)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
+}
+
 const claimAgentStartCandidate = `-- name: ClaimAgentStartCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
@@ -576,6 +607,7 @@ WITH candidate AS (
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -590,6 +622,7 @@ WITH candidate AS (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -602,6 +635,7 @@ WITH candidate AS (
         WHERE p.provider = $1
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
@@ -767,6 +801,7 @@ WITH candidate AS (
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -781,6 +816,7 @@ WITH candidate AS (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -793,6 +829,7 @@ WITH candidate AS (
         WHERE p.provider = $1
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
@@ -1060,6 +1097,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1074,6 +1112,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1086,6 +1125,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
@@ -1149,6 +1189,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1163,6 +1204,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1175,6 +1217,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
@@ -1206,6 +1249,35 @@ func (q *Queries) CountRecoveryMatching(ctx context.Context, arg CountRecoveryMa
 	var count int64
 	err := row.Scan(&count)
 	return count, err
+}
+
+const decommissionMatches = `-- name: DecommissionMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1
+    ) c
+    WHERE c.machine_id = $2::uuid
+)::boolean AS matches
+`
+
+type DecommissionMatchesParams struct {
+	Provider  string
+	MachineID uuid.UUID
+}
+
+// DecommissionMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) DecommissionMatches(ctx context.Context, arg DecommissionMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, decommissionMatches, arg.Provider, arg.MachineID)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
 }
 
 const listAgentStartCandidates = `-- name: ListAgentStartCandidates :many
@@ -1358,6 +1430,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
           AND NOT EXISTS (
@@ -1372,6 +1445,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -1384,6 +1458,7 @@ FROM (
         WHERE p.provider = $1
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
@@ -1441,7 +1516,9 @@ type ListRecoveryCandidatesParams struct {
 // Machines in Recovery backoff or quarantine are held (migration 00014) and
 // in neither index; the third arm reads them from
 // machine_provided_recovery_held in order of the end of their hold, only
-// those whose hold has ended.
+// those whose hold has ended. Machines the provider lost (Missing) or
+// powered off (Stopped) are not silent: there is no agent to recover, and a
+// reboot could only fail.
 //
 // Silence that overlaps the callback servers' own inability to record
 // heartbeats does not count: no machine is silent while a heartbeat
@@ -1474,4 +1551,85 @@ func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCa
 		return nil, err
 	}
 	return items, nil
+}
+
+const recoveryMatches = `-- name: RecoveryMatches :one
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = $1
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
+          AND p.provider = $1
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = $1
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+    ) c
+    WHERE c.machine_id = $4::uuid
+)::boolean AS matches
+`
+
+type RecoveryMatchesParams struct {
+	Provider                string
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+	MachineID               uuid.UUID
+}
+
+// RecoveryMatches reports whether the definition selects one machine by
+// its tags alone: a worker that holds the machine asks it, in the
+// transaction that admits a side effect, to verify that the machine is
+// still what it was claimed for (a heartbeat does not end a claim).
+func (q *Queries) RecoveryMatches(ctx context.Context, arg RecoveryMatchesParams) (bool, error) {
+	row := q.db.QueryRow(ctx, recoveryMatches,
+		arg.Provider,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.HeartbeatTimeoutMs,
+		arg.MachineID,
+	)
+	var matches bool
+	err := row.Scan(&matches)
+	return matches, err
 }

@@ -133,6 +133,23 @@ type ProviderState struct {
 	ListingAcceptUntil      *time.Time
 }
 
+type RecoveryAdmission struct {
+	AdmissionID    int64
+	MachineID      uuid.UUID
+	Provider       string
+	SessionID      uuid.NullUUID
+	AgentStartedAt *time.Time
+	AdmittedAt     time.Time
+	Reached        bool
+	Failed         bool
+}
+
+type RecoveryStreak struct {
+	MachineID uuid.UUID
+	Reboots   int32
+	Since     time.Time
+}
+
 type Session struct {
 	SessionID uuid.UUID
 	Component string

@@ -339,7 +339,8 @@ func (q *Queries) ProvidedUpdateMany(ctx context.Context, arg ProvidedUpdateMany
 
 const providerAgentCounts = `-- name: ProviderAgentCounts :one
 SELECT count(*) AS provided,
-       count(*) FILTER (WHERE agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')) AS started
+       count(*) FILTER (WHERE agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+                          AND provider_status NOT IN ('Missing', 'Stopped')) AS started
 FROM machine_provided
 WHERE provider = $1
 `
@@ -350,7 +351,9 @@ type ProviderAgentCountsRow struct {
 }
 
 // ProviderAgentCounts counts a provider's machines, and those with a
-// started, not installed agent, for the recoverer's circuit breaker.
+// started, not installed agent, for the recoverer's circuit breaker. A
+// Missing or Stopped machine counts as provided, not as started: its agent
+// cannot heartbeat, and it is never silent.
 func (q *Queries) ProviderAgentCounts(ctx context.Context, provider string) (ProviderAgentCountsRow, error) {
 	row := q.db.QueryRow(ctx, providerAgentCounts, provider)
 	var i ProviderAgentCountsRow
@@ -569,32 +572,25 @@ func (q *Queries) ProviderUpdateLeaseRelease(ctx context.Context, arg ProviderUp
 }
 
 const recoveryRebootsInWindow = `-- name: RecoveryRebootsInWindow :one
-SELECT (
-    (SELECT count(*)
-     FROM work_history h
-     JOIN machine_provided p ON p.machine_id = h.machine_id
-     WHERE h.process = 'Recovery' AND h.event IN ('Finished', 'Failed')
-       AND h.at > now() - interval '1 millisecond' * $1::bigint
-       AND p.provider = $2)
-  + (SELECT count(*)
-     FROM work w
-     JOIN sessions s ON s.session_id = w.session_id
-     JOIN machine_provided p ON p.machine_id = w.machine_id
-     WHERE w.process = 'Recovery' AND s.deadline > now() AND s.closed_at IS NULL
-       AND p.provider = $2))::bigint AS reboots
+SELECT count(*)
+FROM recovery_admissions a
+WHERE a.provider = $1 AND a.reached
+  AND a.admitted_at > now() - interval '1 millisecond' * $2::bigint
 `
 
 type RecoveryRebootsInWindowParams struct {
-	WindowMs int64
 	Provider string
+	WindowMs int64
 }
 
-// RecoveryRebootsInWindow counts the reboots the recoverer issued for a
-// provider within the window (recoveries that ended as Finished or Failed:
-// both reached the provider) plus those in flight (live Recovery work).
+// RecoveryRebootsInWindow counts the reboots admitted for a provider's
+// machines within the window (recovery_admissions), however their work
+// ended (Finished, Failed, Canceled, Expired or still in flight), except
+// those whose request certainly never reached the machine. A claim that was
+// not admitted yet counts nothing.
 func (q *Queries) RecoveryRebootsInWindow(ctx context.Context, arg RecoveryRebootsInWindowParams) (int64, error) {
-	row := q.db.QueryRow(ctx, recoveryRebootsInWindow, arg.WindowMs, arg.Provider)
-	var reboots int64
-	err := row.Scan(&reboots)
-	return reboots, err
+	row := q.db.QueryRow(ctx, recoveryRebootsInWindow, arg.Provider, arg.WindowMs)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
 }

@@ -83,6 +83,24 @@ FROM (
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c;
 
+-- name: AgentStartMatches :one
+-- AgentStartMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        FROM machine_provided p
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingAgent'
+          AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
+
 -- name: ClaimAgentStartCandidate :one
 -- ClaimAgentStartCandidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of
@@ -335,6 +353,22 @@ FROM (
         WHERE p.provider = @provider
 ) c;
 
+-- name: DecommissionMatches :one
+-- DecommissionMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, d.requested_at AS since
+        FROM machine_decommission_request d
+        JOIN machine_provided p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
+
 -- name: ClaimDecommissionCandidate :one
 -- ClaimDecommissionCandidate claims the oldest free candidate for the process
 -- under the session, in one statement. It locks the machine_provided row of
@@ -526,7 +560,9 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- Machines in Recovery backoff or quarantine are held (migration 00014) and
 -- in neither index; the third arm reads them from
 -- machine_provided_recovery_held in order of the end of their hold, only
--- those whose hold has ended.
+-- those whose hold has ended. Machines the provider lost (Missing) or
+-- powered off (Stopped) are not silent: there is no agent to recover, and a
+-- reboot could only fail.
 --
 -- Silence that overlaps the callback servers' own inability to record
 -- heartbeats does not count: no machine is silent while a heartbeat
@@ -542,6 +578,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND NOT EXISTS (
@@ -556,6 +593,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -568,6 +606,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
@@ -611,6 +650,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND NOT EXISTS (
@@ -625,6 +665,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -637,6 +678,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
@@ -682,6 +724,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND NOT EXISTS (
@@ -696,6 +739,7 @@ FROM (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -708,6 +752,7 @@ FROM (
         WHERE p.provider = @provider
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
@@ -722,6 +767,67 @@ FROM (
                      OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
                          AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
 ) c;
+
+-- name: RecoveryMatches :one
+-- RecoveryMatches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+        SELECT p.machine_id, p.agent_phase_since AS since
+        FROM machine_provided p
+        JOIN machine_agent_started s ON s.machine_id = p.machine_id
+        WHERE p.provider = @provider
+          AND p.agent_phase = 'AwaitingFirstHeartbeat'
+          AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+          AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
+        FROM machine_agent_heartbeat h
+        JOIN machine_provided p ON p.machine_id = h.machine_id
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+          AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+        UNION ALL
+        SELECT p.machine_id, p.recovery_held_until AS since
+        FROM machine_provided p
+        WHERE p.provider = @provider
+          AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+          AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
+          AND p.recovery_held_until <= now()
+          AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
+                AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
+                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
+                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+               OR (p.agent_phase = 'Heartbeating'
+                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+          AND NOT EXISTS (
+              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+              WHERE rs.closed_at IS NULL
+                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
+                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
 
 -- name: ClaimRecoveryCandidate :one
 -- ClaimRecoveryCandidate claims the oldest free candidate for the process
@@ -750,6 +856,7 @@ WITH candidate AS (
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND NOT EXISTS (
@@ -764,6 +871,7 @@ WITH candidate AS (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -776,6 +884,7 @@ WITH candidate AS (
         WHERE p.provider = @provider
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
@@ -878,6 +987,7 @@ WITH candidate AS (
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND NOT EXISTS (
@@ -892,6 +1002,7 @@ WITH candidate AS (
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT EXISTS (
               SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
               WHERE rs.closed_at IS NULL
@@ -904,6 +1015,7 @@ WITH candidate AS (
         WHERE p.provider = @provider
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
+          AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint

@@ -111,28 +111,24 @@ ON CONFLICT (provider) DO UPDATE SET update_confirmed_at = EXCLUDED.update_confi
 SELECT update_confirmed_at FROM provider_state WHERE provider = @provider;
 
 -- name: RecoveryRebootsInWindow :one
--- RecoveryRebootsInWindow counts the reboots the recoverer issued for a
--- provider within the window (recoveries that ended as Finished or Failed:
--- both reached the provider) plus those in flight (live Recovery work).
-SELECT (
-    (SELECT count(*)
-     FROM work_history h
-     JOIN machine_provided p ON p.machine_id = h.machine_id
-     WHERE h.process = 'Recovery' AND h.event IN ('Finished', 'Failed')
-       AND h.at > now() - interval '1 millisecond' * @window_ms::bigint
-       AND p.provider = @provider)
-  + (SELECT count(*)
-     FROM work w
-     JOIN sessions s ON s.session_id = w.session_id
-     JOIN machine_provided p ON p.machine_id = w.machine_id
-     WHERE w.process = 'Recovery' AND s.deadline > now() AND s.closed_at IS NULL
-       AND p.provider = @provider))::bigint AS reboots;
+-- RecoveryRebootsInWindow counts the reboots admitted for a provider's
+-- machines within the window (recovery_admissions), however their work
+-- ended (Finished, Failed, Canceled, Expired or still in flight), except
+-- those whose request certainly never reached the machine. A claim that was
+-- not admitted yet counts nothing.
+SELECT count(*)
+FROM recovery_admissions a
+WHERE a.provider = @provider AND a.reached
+  AND a.admitted_at > now() - interval '1 millisecond' * @window_ms::bigint;
 
 -- name: ProviderAgentCounts :one
 -- ProviderAgentCounts counts a provider's machines, and those with a
--- started, not installed agent, for the recoverer's circuit breaker.
+-- started, not installed agent, for the recoverer's circuit breaker. A
+-- Missing or Stopped machine counts as provided, not as started: its agent
+-- cannot heartbeat, and it is never silent.
 SELECT count(*) AS provided,
-       count(*) FILTER (WHERE agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')) AS started
+       count(*) FILTER (WHERE agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
+                          AND provider_status NOT IN ('Missing', 'Stopped')) AS started
 FROM machine_provided
 WHERE provider = @provider;
 

@@ -80,7 +80,8 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.DurationVar(&rc.HeartbeatTimeout, "heartbeat-timeout", bmdb.DefaultHeartbeatTimeout, "recoverer: a machine is silent when its last heartbeat is older than this")
 	fl.DurationVar(&rc.FirstHeartbeatTimeout, "first-heartbeat-timeout", bmdb.DefaultFirstHeartbeatTimeout, "recoverer: a machine is silent when no heartbeat came this long after its agent started")
 	fl.IntVar(&rc.MaxRebootsPerWindow, "max-reboots-per-window", 0, "recoverer: reboot budget per window (0: 5% of the fleet, at least 1)")
-	fl.DurationVar(&rc.Window, "reboot-window", 10*time.Minute, "recoverer: the circuit breaker's window")
+	fl.DurationVar(&rc.Window, "reboot-window", 10*time.Minute, "recoverer: the circuit breaker's window (at most 24h)")
+	fl.IntVar(&rc.MaxRebootsWithoutHeartbeat, "max-reboots-without-heartbeat", 3, "recoverer: quarantine a machine rebooted this many times without a heartbeat in between")
 	fl.Float64Var(&rc.SilentFraction, "silent-fraction", 0.25, "recoverer: no reboots while more than this fraction of started machines is silent")
 
 	pr := &cfg.Provisioner

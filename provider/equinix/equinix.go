@@ -471,12 +471,17 @@ func (p *Provider) CreateMachine(ctx context.Context, req provider.CreateRequest
 }
 
 // RebootMachine reboots a device of ours and waits until it reports active
-// again.
+// again. An error before the reboot action was sent (the device is gone,
+// not ours, never became active) or a 404 answer to it wraps
+// provider.ErrNotReached: nothing was done to the device. Any other failure
+// of the action may have rebooted it.
 func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	if err := p.readyOurs(ctx, id, "reboot"); err != nil {
-		return err
+		return fmt.Errorf("%w (%w)", err, provider.ErrNotReached)
 	}
-	if err := p.api.RebootDevice(ctx, id); err != nil {
+	if err := p.api.RebootDevice(ctx, id); errors.Is(err, metal.ErrNotFound) {
+		return fmt.Errorf("equinix: rebooting device %s: %w (%w)", id, err, provider.ErrNotReached)
+	} else if err != nil {
 		return fmt.Errorf("equinix: rebooting device %s: %w", id, err)
 	}
 	return p.waitActive(ctx, id, "reboot", false)

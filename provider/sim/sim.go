@@ -426,7 +426,9 @@ func (f *Fleet) CreateMachine(ctx context.Context, req provider.CreateRequest) (
 // RebootMachine reboots a machine: its agent stops at once and it does not
 // answer SSH for RebootLatency; then it is reachable again, without an
 // agent, like a machine rebooted into a rescue system. It fails for a
-// killed or unused machine and with RebootFailureRate.
+// killed or unused machine (an error wrapping provider.ErrNotReached: like
+// a dead machine's BMC, it never answers) and with RebootFailureRate (an
+// injected failure that may have rebooted it).
 func (f *Fleet) RebootMachine(ctx context.Context, id string) error {
 	return f.reboot(ctx, id, false)
 }
@@ -443,19 +445,19 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 		what = "reinstalling"
 	}
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("sim: %s %s: %w", what, id, err)
+		return fmt.Errorf("sim: %s %s: %w (%w)", what, id, err, provider.ErrNotReached)
 	}
 	i, err := f.lookup(id)
 	if err != nil {
-		return err
+		return fmt.Errorf("%w (%w)", err, provider.ErrNotReached)
 	}
 	f.mu.Lock()
 	s := &f.slots[i]
 	switch {
 	case !s.used:
-		err = fmt.Errorf("sim: %s %s: the machine is not provisioned", what, id)
+		err = fmt.Errorf("sim: %s %s: the machine is not provisioned (%w)", what, id, provider.ErrNotReached)
 	case s.killed:
-		err = fmt.Errorf("sim: %s %s: the machine does not respond (killed)", what, id)
+		err = fmt.Errorf("sim: %s %s: the machine does not respond (killed) (%w)", what, id, provider.ErrNotReached)
 	case f.chance(f.cfg.RebootFailureRate):
 		err = fmt.Errorf("sim: %s %s: injected failure", what, id)
 	}

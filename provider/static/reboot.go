@@ -53,7 +53,8 @@ func (e *entry) passwordAuth() []ssh.AuthMethod {
 //
 // How a reboot is judged: until the machine confirms it started the
 // command, any failure is a failed reboot, which the recoverer repeats
-// after its backoff. Once it confirmed, only the command's own exit status
+// after its backoff; it wraps provider.ErrNotReached, since nothing was
+// done to the machine. Once it confirmed, only the command's own exit status
 // can say the reboot failed (a non-zero status: the error ends with its
 // stderr). A zero status, a connection cut, or a machine that stops
 // answering until SSHTimeout (one that reset at once, without closing the
@@ -64,14 +65,17 @@ func (e *entry) passwordAuth() []ssh.AuthMethod {
 func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	e, err := p.entry(id)
 	if err != nil {
-		return err
+		return fmt.Errorf("%w (%w)", err, provider.ErrNotReached)
 	}
 	fail := func(err error) error {
 		return fmt.Errorf("%s: rebooting machine %q at %s: %w", p.cfg.Name, id, e.m.addr, err)
 	}
+	// Until the machine confirms it started the command, nothing was done
+	// to it: the circuit breaker does not count such a failure.
+	unreached := func(err error) error { return fail(fmt.Errorf("%w (%w)", err, provider.ErrNotReached)) }
 	user := cmp.Or(e.user, p.cfg.Env.SSHUser)
 	if user == "" {
-		return fail(errors.New("no SSH user: set ssh_user in the inventory or Shepherd's default SSH user"))
+		return unreached(errors.New("no SSH user: set ssh_user in the inventory or Shepherd's default SSH user"))
 	}
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.SSHTimeout)
 	defer cancel()
@@ -86,15 +90,15 @@ func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	switch {
 	case target.HostKey != nil:
 	case hk == nil:
-		return fail(errors.New("the host key cannot be verified: the inventory pins none (host_key) and no host key checker is configured"))
+		return unreached(errors.New("the host key cannot be verified: the inventory pins none (host_key) and no host key checker is configured"))
 	default:
 		if target.HostKey, err = hk.KnownHostKey(ctx, id); err != nil {
-			return fail(err)
+			return unreached(err)
 		}
 		target.FirstUse = func(ssh.PublicKey) error { return nil }
 	}
 	if len(target.Keys) == 0 && len(target.SecretKeys) == 0 && len(target.SecretAuth) == 0 {
-		return fail(errors.New("no SSH credentials: Shepherd has no SSH key and the inventory gives the machine no password or key"))
+		return unreached(errors.New("no SSH credentials: Shepherd has no SSH key and the inventory gives the machine no password or key"))
 	}
 
 	log := p.log.With(slog.String("machine_id", id))
@@ -102,13 +106,13 @@ func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	client, err := sshx.Dial(ctx, target)
 	switch {
 	case errors.Is(err, sshx.ErrSecretsWithheld):
-		return fail(fmt.Errorf("%w; to send them, pin host_key in the inventory or set trust_on_first_use: true for the machine", err))
+		return unreached(fmt.Errorf("%w; to send them, pin host_key in the inventory or set trust_on_first_use: true for the machine", err))
 	case errors.Is(err, sshx.ErrHostKeyMismatch) && e.hostKey != nil:
-		return fail(fmt.Errorf("%w; the key is pinned by the inventory (host_key): if the machine was reinstalled, update it there", err))
+		return unreached(fmt.Errorf("%w; the key is pinned by the inventory (host_key): if the machine was reinstalled, update it there", err))
 	case errors.Is(err, sshx.ErrHostKeyMismatch):
-		return fail(hk.HostKeyMismatch(ctx, id, err))
+		return unreached(hk.HostKeyMismatch(ctx, id, err))
 	case err != nil:
-		return fail(err)
+		return unreached(err)
 	}
 	defer client.Close()
 	_, err = sshx.Run(ctx, client, e.rebootCommand, nil, maxRebootOutput)
@@ -116,8 +120,10 @@ func (p *Provider) RebootMachine(ctx context.Context, id string) error {
 	switch {
 	case err == nil:
 		log.InfoContext(ctx, "reboot command done")
-	case errors.As(err, &exit), errors.Is(err, sshx.ErrNotStarted):
+	case errors.As(err, &exit):
 		return fail(err)
+	case errors.Is(err, sshx.ErrNotStarted):
+		return unreached(err)
 	case ctx.Err() != nil:
 		log.WarnContext(ctx, "reboot command issued; the machine did not answer again before the SSH timeout, as one that reset at once does",
 			slog.Duration("ssh_timeout", p.cfg.SSHTimeout))

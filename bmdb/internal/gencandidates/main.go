@@ -6,7 +6,8 @@
 // writes the list, count and claim queries (and the plain-LIMIT claim the
 // benchmark compares against), each wrapped in the same exclusions: live
 // conflicting work, active backoff or quarantine, and decommission requests
-// (except in the decommissioner's own query, marked by decommissionDirective).
+// (except in the decommissioner's own query, marked by decommissionDirective);
+// and, by tags alone, the count of matching machines and the match of one.
 // Generating them keeps the count that feeds metrics from drifting away from
 // the query that hands out work.
 //
@@ -103,6 +104,19 @@ SELECT count(*)
 FROM (
 {{.Matching}}
 ) c;
+
+-- name: {{.Name}}Matches :one
+-- {{.Name}}Matches reports whether the definition selects one machine by
+-- its tags alone: a worker that holds the machine asks it, in the
+-- transaction that admits a side effect, to verify that the machine is
+-- still what it was claimed for (a heartbeat does not end a claim).
+SELECT EXISTS (
+    SELECT 1
+    FROM (
+{{.Select}}
+    ) c
+    WHERE c.machine_id = @machine_id::uuid
+)::boolean AS matches;
 
 -- name: Claim{{.Name}}Candidate :one
 -- Claim{{.Name}}Candidate claims the oldest free candidate for the process
