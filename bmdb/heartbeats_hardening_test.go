@@ -238,3 +238,59 @@ func TestHeartbeatBatchesLockInOneOrder(t *testing.T) {
 		}
 	}
 }
+
+// TestReinstallForgetsRecordedHostKey: SPEC §3.3 says a reinstall clears a
+// host key recorded on first use (the new OS has new host keys), so the
+// next takeover records the new one instead of calling it a mismatch; a key
+// the provider pinned stays (issue 10 item 14).
+func TestReinstallForgetsRecordedHostKey(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	ids, keys := startedMachines(t, db, s, 2)
+	hostKey := bytes.Repeat([]byte{7}, 51)
+	for i, id := range ids {
+		if _, _, err := db.RecordHostKey(t.Context(), id, hostKey, i == 1); err != nil {
+			t.Fatal(err)
+		}
+		err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+			_, err := tx.RequestInstallation(ctx, id, []byte("request"))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A failed report leaves the OS (and its keys) as they were.
+	var batch []bmdb.Heartbeat
+	for i := range ids {
+		batch = append(batch, bmdb.Heartbeat{MachineID: ids[i], AgentKey: keys[i],
+			Installation: &bmdb.InstallationReport{Generation: 1, Error: "download failed", Raw: []byte{1}}})
+	}
+	if _, err := db.RecordHeartbeats(t.Context(), batch); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if _, _, err := db.HostKey(t.Context(), id); err != nil {
+			t.Fatalf("host key after a failed installation: %v, want kept", err)
+		}
+	}
+	for i := range batch {
+		batch[i].Installation = &bmdb.InstallationReport{Generation: 1, Success: true, Raw: []byte{1}}
+	}
+	res, err := db.RecordHeartbeats(t.Context(), batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range res {
+		if !r.Accepted || r.InstallationRecorded != 1 {
+			t.Fatalf("heartbeat %d: %+v, want accepted with generation 1 recorded", i, r)
+		}
+	}
+	if _, _, err := db.HostKey(t.Context(), ids[0]); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Errorf("key recorded on first use after a successful installation: %v, want forgotten", err)
+	}
+	if _, pinned, err := db.HostKey(t.Context(), ids[1]); err != nil || !pinned {
+		t.Errorf("pinned key after a successful installation: pinned=%v err=%v, want kept", pinned, err)
+	}
+}

@@ -295,7 +295,9 @@ func (r *Runner) end(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *sl
 			return
 		case <-t.C:
 		}
-		pause = min(2*pause, endPauseMax)
+		// Never pause for long against a lease: the work must end within
+		// a lease of the database coming back (SPEC §8 R11).
+		pause = min(2*pause, endPauseMax, max(r.cfg.Lease/10, endPauseMin))
 	}
 }
 

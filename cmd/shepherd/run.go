@@ -60,6 +60,8 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.StringVar(&cfg.Server.CAFile, "server-ca", "", "callback server: PEM CA agents verify the server against (default: system roots)")
 	fl.StringSliceVar(&cfg.Server.Hosts, "server-hosts", nil, "callback server: names and addresses in the development certificate (default localhost, 127.0.0.1, ::1, hostname)")
 	fl.DurationVar(&cfg.Server.HeartbeatInterval, "heartbeat-interval", 30*time.Second, "callback server: how often agents are told to send heartbeats")
+	fl.IntVar(&cfg.Server.MaxConnections, "server-max-connections", 0, "callback server: most client connections open at once (0: the open-file limit less 1024)")
+	fl.IntVar(&cfg.Server.MaxConnectionsPerIP, "server-max-connections-per-ip", 4096, "callback server: most client connections open at once from one IP address")
 
 	fl.StringVar(&cfg.SSHUser, "ssh-user", "root", "SSH user for agent starts, agent stops and reboots (providers may name another)")
 	fl.StringVar(&cfg.AgentEndpoint, "agent-endpoint", "", "callback server host:port as agents reach it (default: this process's server)")
