@@ -10,7 +10,9 @@
 -- until 'infinity'; migration 00014). The partial index
 -- machine_provided_awaiting_agent is keyed by it, so the range up to now()
 -- holds exactly the machines not held, in order, and a claim never reads a
--- machine that waits in backoff.
+-- machine that waits in backoff. The holds are the backoff, so the shared
+-- backoff exclusion is left out:
+-- +gencandidates:holds-exclude-backoff
 SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
 FROM machine_provided p
 WHERE p.provider = @provider

@@ -20,7 +20,9 @@
 -- recorder (re)started recording within the heartbeat timeout, misses its
 -- check-ins (it cannot write now), or died without closing its session
 -- within the timeout (migration 00013). The condition does not depend on
--- the machine, so PostgreSQL evaluates it once per query.
+-- the machine, so PostgreSQL evaluates it once per query. The holds are
+-- the backoff, so the shared backoff exclusion is left out:
+-- +gencandidates:holds-exclude-backoff
 SELECT p.machine_id, p.agent_phase_since AS since
 FROM machine_provided p
 JOIN machine_agent_started s ON s.machine_id = p.machine_id

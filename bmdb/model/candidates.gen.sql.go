@@ -68,12 +68,6 @@ WITH candidate AS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
         LIMIT $4::integer
@@ -214,12 +208,6 @@ WITH candidate AS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
@@ -661,12 +649,6 @@ WITH candidate AS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
         LIMIT $6::integer
@@ -855,12 +837,6 @@ WITH candidate AS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
         LIMIT 1
@@ -985,12 +961,6 @@ WHERE NOT EXISTS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 `
@@ -1150,12 +1120,6 @@ WHERE NOT EXISTS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 `
 
@@ -1300,12 +1264,6 @@ WHERE NOT EXISTS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 ORDER BY c.since
 LIMIT $4::integer
@@ -1331,7 +1289,8 @@ type ListAgentStartCandidatesParams struct {
 // until 'infinity'; migration 00014). The partial index
 // machine_provided_awaiting_agent is keyed by it, so the range up to now()
 // holds exactly the machines not held, in order, and a claim never reads a
-// machine that waits in backoff.
+// machine that waits in backoff. The holds are the backoff, so the shared
+// backoff exclusion is left out:
 func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentStartCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listAgentStartCandidates,
 		arg.Provider,
@@ -1483,12 +1442,6 @@ WHERE NOT EXISTS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $4
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 ORDER BY c.since
 LIMIT $6::integer
@@ -1525,7 +1478,8 @@ type ListRecoveryCandidatesParams struct {
 // recorder (re)started recording within the heartbeat timeout, misses its
 // check-ins (it cannot write now), or died without closing its session
 // within the timeout (migration 00013). The condition does not depend on
-// the machine, so PostgreSQL evaluates it once per query.
+// the machine, so PostgreSQL evaluates it once per query. The holds are
+// the backoff, so the shared backoff exclusion is left out:
 func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listRecoveryCandidates,
 		arg.Provider,

@@ -13,7 +13,8 @@
 -- until 'infinity'; migration 00014). The partial index
 -- machine_provided_awaiting_agent is keyed by it, so the range up to now()
 -- holds exactly the machines not held, in order, and a claim never reads a
--- machine that waits in backoff.
+-- machine that waits in backoff. The holds are the backoff, so the shared
+-- backoff exclusion is left out:
 SELECT c.machine_id
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
@@ -31,12 +32,6 @@ WHERE NOT EXISTS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 ORDER BY c.since
@@ -60,12 +55,6 @@ WHERE NOT EXISTS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
 
@@ -138,12 +127,6 @@ WITH candidate AS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
@@ -226,12 +209,6 @@ WITH candidate AS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
@@ -569,7 +546,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- recorder (re)started recording within the heartbeat timeout, misses its
 -- check-ins (it cannot write now), or died without closing its session
 -- within the timeout (migration 00013). The condition does not depend on
--- the machine, so PostgreSQL evaluates it once per query.
+-- the machine, so PostgreSQL evaluates it once per query. The holds are
+-- the backoff, so the shared backoff exclusion is left out:
 SELECT c.machine_id
 FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
@@ -630,12 +608,6 @@ WHERE NOT EXISTS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
 ORDER BY c.since
@@ -702,12 +674,6 @@ WHERE NOT EXISTS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id);
 
@@ -910,12 +876,6 @@ WITH candidate AS (
           AND s.deadline > now()
           AND s.closed_at IS NULL)
   AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
-  AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since
         LIMIT @scan_limit::integer
@@ -1040,12 +1000,6 @@ WITH candidate AS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
   AND NOT EXISTS (
         SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = c.machine_id)
         ORDER BY c.since

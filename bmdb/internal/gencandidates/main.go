@@ -61,13 +61,24 @@ const exclusions = `NOT EXISTS (
         WHERE w.machine_id = c.machine_id
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
-          AND s.closed_at IS NULL)
+          AND s.closed_at IS NULL)` + backoffExclusion
+
+// backoffExclusion is the part of exclusions about backoff and quarantine.
+const backoffExclusion = `
   AND NOT EXISTS (
         SELECT 1
         FROM work_backoff b
         WHERE b.machine_id = c.machine_id
           AND b.process = @process
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))`
+
+// heldDirective, on a line of its own in a definition's leading comment,
+// says that the definition itself leaves out the machines in backoff or
+// quarantine for its process, through the holds the work_backoff trigger
+// keeps on machine_provided (migration 00014), so backoffExclusion is left
+// out: it would only repeat the test, and as an anti-join against every
+// backoff of the fleet it costs as much as there are backoffs.
+const heldDirective = "-- +gencandidates:holds-exclude-backoff"
 
 // decommissionExclusion is added to exclusions for every definition but the
 // decommissioner's own: a machine being decommissioned is not worked on by
@@ -273,10 +284,14 @@ func parse(path string) (definition, error) {
 		return definition{}, err
 	}
 	var doc, body, matching []string
-	excl := exclusions + decommissionExclusion
+	decommission, held := false, false
 	for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
 		if len(body) == 0 && strings.TrimSpace(line) == decommissionDirective {
-			excl = exclusions
+			decommission = true
+			continue
+		}
+		if len(body) == 0 && strings.TrimSpace(line) == heldDirective {
+			held = true
 			continue
 		}
 		if len(body) == 0 && strings.HasPrefix(line, "--") {
@@ -289,6 +304,13 @@ func parse(path string) (definition, error) {
 		}
 		body = append(body, "        "+line)
 		matching = append(matching, "        "+line)
+	}
+	excl := exclusions
+	if held {
+		excl = strings.TrimSuffix(excl, backoffExclusion)
+	}
+	if !decommission {
+		excl += decommissionExclusion
 	}
 	if len(doc) == 0 {
 		return definition{}, fmt.Errorf("%s: the definition must start with a comment saying what it selects and why", path)
