@@ -71,6 +71,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.IntVar(&in.Loop.Parallelism, "initializer-parallelism", 10, "initializer: machines taken over at once")
 	in.Loop.QueryLimit = manager.DefaultLimit()
 	fl.Var(&in.Loop.QueryLimit, "initializer-query-limit", "initializer: candidate query rate as duration,burst")
+	fl.DurationVar(&in.Loop.WorkTimeout, "initializer-work-timeout", manager.DefaultWorkTimeout, "initializer: longest one machine is worked on before the attempt is failed (a machine stays claimed at most this plus one lease)")
 	fl.DurationVar(&in.ConnectTimeout, "ssh-connect-timeout", 30*time.Second, "initializer: bound on dialing and the SSH handshake")
 	fl.DurationVar(&in.ExecTimeout, "ssh-exec-timeout", 2*time.Minute, "initializer: bound on uploading and starting the agent")
 	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer, decommissioner: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
@@ -79,6 +80,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.IntVar(&rc.Loop.Parallelism, "recoverer-parallelism", 4, "recoverer: machines rebooted at once")
 	rc.Loop.QueryLimit = manager.DefaultLimit()
 	fl.Var(&rc.Loop.QueryLimit, "recoverer-query-limit", "recoverer: candidate query rate as duration,burst")
+	fl.DurationVar(&rc.Loop.WorkTimeout, "recoverer-work-timeout", manager.DefaultWorkTimeout, "recoverer: longest one machine is worked on before the attempt is failed (a machine stays claimed at most this plus one lease)")
 	fl.DurationVar(&rc.HeartbeatTimeout, "heartbeat-timeout", bmdb.DefaultHeartbeatTimeout, "recoverer: a machine is silent when its last heartbeat is older than this")
 	fl.DurationVar(&rc.FirstHeartbeatTimeout, "first-heartbeat-timeout", bmdb.DefaultFirstHeartbeatTimeout, "recoverer: a machine is silent when no heartbeat came this long after its agent started")
 	fl.IntVar(&rc.MaxRebootsPerWindow, "max-reboots-per-window", 0, "recoverer: reboot budget per window (0: 5% of the fleet, at least 1)")
@@ -113,6 +115,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.IntVar(&dc.Loop.Parallelism, "decommissioner-parallelism", 2, "decommissioner: machines decommissioned at once")
 	dc.Loop.QueryLimit = manager.DefaultLimit()
 	fl.Var(&dc.Loop.QueryLimit, "decommissioner-query-limit", "decommissioner: candidate query rate as duration,burst")
+	fl.DurationVar(&dc.Loop.WorkTimeout, "decommissioner-work-timeout", manager.DefaultWorkTimeout, "decommissioner: longest one machine is worked on before the attempt is failed (a machine stays claimed at most this plus one lease)")
 }
 
 func newRunCommand() *cobra.Command {

@@ -15,8 +15,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spf13/pflag"
+
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
 )
 
 func TestParseComponents(t *testing.T) {
@@ -195,5 +198,25 @@ func TestRunSuspectFractionZero(t *testing.T) {
 	}
 	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_provided WHERE provider_status = 'Missing'"); n != 0 {
 		t.Errorf("%d machines marked Missing from a listing --suspect-fraction 0 should not believe", n)
+	}
+}
+
+// TestWorkTimeoutFlags: each loop's work deadline (issue 10 item 6: a
+// machine stays claimed at most this plus one lease) can be set.
+func TestWorkTimeoutFlags(t *testing.T) {
+	var cfg stackConfig
+	fl := pflag.NewFlagSet("run", pflag.ContinueOnError)
+	bindStackFlags(fl, &cfg)
+	if cfg.Recoverer.Loop.WorkTimeout != manager.DefaultWorkTimeout {
+		t.Errorf("default recoverer work timeout %s, want %s", cfg.Recoverer.Loop.WorkTimeout, manager.DefaultWorkTimeout)
+	}
+	err := fl.Parse([]string{"--initializer-work-timeout=7m", "--recoverer-work-timeout=8m", "--decommissioner-work-timeout=9m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := []time.Duration{cfg.Initializer.Loop.WorkTimeout, cfg.Recoverer.Loop.WorkTimeout, cfg.Decommissioner.Loop.WorkTimeout}
+	want := []time.Duration{7 * time.Minute, 8 * time.Minute, 9 * time.Minute}
+	if !slices.Equal(got, want) {
+		t.Errorf("work timeouts %v, want %v", got, want)
 	}
 }
