@@ -169,7 +169,10 @@ func (s *Session) Context() context.Context { return s.ctx }
 
 // Lost reports whether the session's lease lapsed before Close.
 func (s *Session) Lost() bool {
-	return errors.Is(context.Cause(s.ctx), ErrSessionExpired)
+	cause := context.Cause(s.ctx)
+	// A closed session's cause wraps ErrSessionExpired (its work is gone
+	// all the same), but closing is not losing.
+	return errors.Is(cause, ErrSessionExpired) && !errors.Is(cause, errSessionClosed)
 }
 
 // renew moves the deadline every lease/3. A failed renewal is retried more

@@ -40,6 +40,13 @@ func TestSessionRenewal(t *testing.T) {
 	if alive := bmdbtest.Scalar[bool](t, db, "SELECT deadline > now() AND closed_at IS NULL FROM sessions WHERE session_id = $1", s.ID()); !alive {
 		t.Fatal("session is not alive in the database")
 	}
+	// Closing is not losing.
+	if err := s.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if s.Lost() {
+		t.Errorf("Lost() after Close: true, want false (cause %v)", context.Cause(s.Context()))
+	}
 }
 
 func TestSessionLost(t *testing.T) {
