@@ -274,7 +274,7 @@ type Server struct {
 // postgres and waits until it accepts connections (at most 60 s, or until
 // ctx ends). The returned Server must be closed with Close.
 func Start(ctx context.Context, cfg Config) (*Server, error) {
-	s, err := start(ctx, cfg, freePort)
+	s, err := start(ctx, cfg, freePort, (*Server).initCluster)
 	if err != nil {
 		dir := cfg.Dir
 		if dir == "" {
@@ -286,8 +286,10 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 }
 
 // start is Start without the error prefix; pickPort chooses the port when
-// cfg.Port is 0 (a parameter so tests can simulate losing the port race).
-func start(ctx context.Context, cfg Config, pickPort func() (int, error)) (_ *Server, err error) {
+// cfg.Port is 0 (a parameter so tests can simulate losing the port race),
+// and initData fills the data directory unless it holds a cluster already
+// (initdb for a primary, pg_basebackup for a standby).
+func start(ctx context.Context, cfg Config, pickPort func() (int, error), initData func(*Server, context.Context) error) (_ *Server, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -334,7 +336,7 @@ func start(ctx context.Context, cfg Config, pickPort func() (int, error)) (_ *Se
 		return nil, err
 	}
 
-	if err := s.initCluster(ctx); err != nil {
+	if err := initData(s, ctx); err != nil {
 		return nil, err
 	}
 

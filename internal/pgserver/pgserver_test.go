@@ -415,7 +415,7 @@ func TestAutoPortRetriesWhenTaken(t *testing.T) {
 		}
 		return freePort()
 	}
-	s, err := start(t.Context(), Config{TCP: true}, pick)
+	s, err := start(t.Context(), Config{TCP: true}, pick, (*Server).initCluster)
 	if err != nil {
 		t.Fatal(err)
 	}
