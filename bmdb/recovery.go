@@ -155,10 +155,7 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 		} else if err != nil {
 			return fmt.Errorf("reading earlier reboots: %w", err)
 		}
-		a.Streak = int(st.Streak)
-		if st.StreakSince != nil {
-			a.StreakSince = *st.StreakSince
-		}
+		a.Streak, a.StreakSince = int(st.Streak), st.StreakSince
 		if st.AlreadyAdmitted {
 			a.Decision = RebootAlreadyIssued
 			return nil
@@ -179,7 +176,8 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 			return nil
 		}
 		row, err := q.RecoveryAdmit(ctx, model.RecoveryAdmitParams{
-			MachineID: r.MachineID, Provider: r.Provider, SessionID: s.id, AgentStartedAt: st.AgentStartedAt})
+			MachineID: r.MachineID, Provider: r.Provider, SessionID: s.id, AgentStartedAt: st.AgentStartedAt,
+			Heartbeated: st.Heartbeated})
 		if errors.Is(err, pgx.ErrNoRows) {
 			// Cannot happen while the work is held (the claim is
 			// exclusive), but the index has the last word.
@@ -188,7 +186,11 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 		} else if err != nil {
 			return fmt.Errorf("recording the admission: %w", err)
 		}
-		a.Decision, a.admission, a.Streak, a.StreakSince = RebootAdmitted, row.AdmissionID, int(row.Reboots), row.Since
+		a.Decision, a.admission = RebootAdmitted, row.AdmissionID
+		if a.Streak == 0 {
+			a.StreakSince = row.AdmittedAt
+		}
+		a.Streak++
 		a.InWindow++
 		return nil
 	})

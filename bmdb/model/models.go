@@ -142,12 +142,7 @@ type RecoveryAdmission struct {
 	AdmittedAt     time.Time
 	Reached        bool
 	Failed         bool
-}
-
-type RecoveryStreak struct {
-	MachineID uuid.UUID
-	Reboots   int32
-	Since     time.Time
+	Heartbeated    bool
 }
 
 type Session struct {

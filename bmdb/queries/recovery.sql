@@ -14,54 +14,60 @@ SELECT EXISTS (
 -- name: RecoveryAdmissionState :one
 -- RecoveryAdmissionState reads what the admission of a reboot decides on,
 -- for one machine: the agent incarnation (start time) being recovered,
--- whether a reboot of that incarnation was admitted already and has not
--- failed, and the machine's reboot streak (reboots admitted since its
--- agent's last heartbeat). No row: the machine has no AgentStarted.
-SELECT s.agent_started_at,
+-- whether it ever heartbeated (a heartbeat row exists only for the current
+-- incarnation), whether a reboot of it was admitted already and has not
+-- failed, and the machine's reboot streak: the reboots admitted since its
+-- agent's last heartbeat, derived from the admissions (the last one whose
+-- incarnation had heartbeated starts the streak; a current incarnation
+-- that heartbeated ends it) and started over by an operator's Reset of the
+-- machine's Recovery. No row: the machine has no AgentStarted.
+WITH inc AS (
+    SELECT s.machine_id, s.agent_started_at,
+           EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated
+    FROM machine_agent_started s
+    WHERE s.machine_id = @machine_id
+),
+streak_start AS (
+    SELECT GREATEST(
+        (SELECT max(a.admitted_at) FROM recovery_admissions a
+         WHERE a.machine_id = @machine_id AND a.heartbeated),
+        (SELECT max(h.at) + interval '1 microsecond' FROM work_history h
+         WHERE h.machine_id = @machine_id AND h.process = 'Recovery' AND h.event = 'Reset'),
+        '-infinity'::timestamptz) AS at
+),
+streak AS (
+    SELECT count(*) AS reboots, min(a.admitted_at) AS since
+    FROM recovery_admissions a, inc, streak_start st
+    WHERE a.machine_id = inc.machine_id AND NOT a.failed AND NOT inc.heartbeated
+      AND a.admitted_at >= st.at
+)
+SELECT inc.agent_started_at, inc.heartbeated,
        EXISTS (
            SELECT 1 FROM recovery_admissions a
-           WHERE a.machine_id = s.machine_id AND a.agent_started_at = s.agent_started_at AND NOT a.failed
+           WHERE a.machine_id = inc.machine_id AND a.agent_started_at = inc.agent_started_at AND NOT a.failed
        )::boolean AS already_admitted,
-       COALESCE(k.reboots, 0)::integer AS streak,
-       k.since AS streak_since
-FROM machine_agent_started s
-LEFT JOIN recovery_streaks k ON k.machine_id = s.machine_id
-WHERE s.machine_id = @machine_id;
+       k.reboots::integer AS streak,
+       COALESCE(k.since, now())::timestamptz AS streak_since
+FROM inc CROSS JOIN streak k;
 
 -- name: RecoveryAdmit :one
 -- RecoveryAdmit records an admitted reboot of the machine's agent
--- incarnation and adds it to the machine's streak. No row: a reboot of the
--- incarnation was admitted already (recovery_admissions_incarnation).
-WITH admitted AS (
-    INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at)
-    VALUES (@machine_id, @provider, @session_id::uuid, @agent_started_at::timestamptz)
-    ON CONFLICT (machine_id, agent_started_at) WHERE NOT failed DO NOTHING
-    RETURNING admission_id, machine_id
-),
-streak AS (
-    INSERT INTO recovery_streaks AS k (machine_id, reboots)
-    SELECT machine_id, 1 FROM admitted
-    ON CONFLICT (machine_id) DO UPDATE SET reboots = k.reboots + 1
-    RETURNING reboots, since
-)
-SELECT a.admission_id, s.reboots, s.since
-FROM admitted a CROSS JOIN streak s;
+-- incarnation. No row: a reboot of the incarnation was admitted already
+-- (recovery_admissions_incarnation).
+INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at, heartbeated)
+VALUES (@machine_id, @provider, @session_id::uuid, @agent_started_at::timestamptz, @heartbeated)
+ON CONFLICT (machine_id, agent_started_at) WHERE NOT failed DO NOTHING
+RETURNING admission_id, admitted_at;
 
 -- name: RecoveryAdmissionFailed :execrows
 -- RecoveryAdmissionFailed records that an admitted reboot failed, and
 -- whether its request reached the machine at all (one that did not is not
--- counted by the circuit breaker). A failed reboot is no reboot: it leaves
--- the machine's streak, and a later claim may reboot the incarnation again.
-WITH failed AS (
-    UPDATE recovery_admissions
-    SET failed = true, reached = @reached
-    WHERE admission_id = @admission_id AND session_id = @session_id::uuid AND NOT failed
-    RETURNING machine_id
-)
-UPDATE recovery_streaks k
-SET reboots = k.reboots - 1
-FROM failed f
-WHERE k.machine_id = f.machine_id AND k.reboots > 0;
+-- counted by the circuit breaker). A failed reboot is no reboot: it is not
+-- part of the machine's streak, and a later claim may reboot the
+-- incarnation again.
+UPDATE recovery_admissions
+SET failed = true, reached = @reached
+WHERE admission_id = @admission_id AND session_id = @session_id::uuid AND NOT failed;
 
 -- name: RecoveryQuarantine :exec
 -- RecoveryQuarantine quarantines the machine for Recovery (SPEC §2.5) with
