@@ -25,6 +25,7 @@ import (
 	"github.com/shepherd/shepherd/agent/install"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // heartbeatTimeout bounds one heartbeat RPC.
@@ -241,7 +242,7 @@ func (d *daemon) recoverInstallation(ctx context.Context) {
 // server acknowledges it.
 func (d *daemon) finished(ctx context.Context, r *agentv1.OSInstallationReport) {
 	d.installing = false
-	if msg := r.GetError().GetMessage(); r.GetError() != nil && msg != install.SendableText(msg, install.MaxErrorBytes) {
+	if msg := r.GetError().GetMessage(); r.GetError() != nil && msg != safetext.Cut(msg, install.MaxErrorBytes) {
 		r = install.ErrorReport(r.GetGeneration(), msg)
 	}
 	d.report = r

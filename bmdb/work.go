@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"strings"
 	"sync"
 	"time"
 
@@ -14,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // claimAttempts bounds how often Work retries after losing a race for a
@@ -229,7 +229,7 @@ func (w *Work) Fail(ctx context.Context, policy BackoffPolicy, cause string) (Ba
 	if err := policy.Validate(); err != nil {
 		return Backoff{}, err
 	}
-	cause = cleanText(cause)
+	cause = safetext.Clean(cause)
 	if err := w.begin(); err != nil {
 		return Backoff{}, err
 	}
@@ -336,11 +336,6 @@ func (w *Work) Cancel(ctx context.Context) error {
 	})
 	_, err = w.settle(cctx, err, EventCanceled, resultCanceled)
 	return err
-}
-
-// cleanText makes s storable as PostgreSQL text: valid UTF-8 without NUL.
-func cleanText(s string) string {
-	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
 // GetBackoff returns the backoff of (machine, process), or ErrNotFound if the

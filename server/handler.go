@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strings"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -28,6 +27,7 @@ import (
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // Rejection reasons, the values of the reason label of
@@ -337,7 +337,7 @@ func parseHeartbeat(m *agentv1.HeartbeatRequest, key ed25519.PublicKey) (bmdb.He
 		case *agentv1.OSInstallationReport_Success:
 			in.Success = true
 		case *agentv1.OSInstallationReport_Error:
-			in.Error = storableText(res.Error.GetMessage(), maxErrorText)
+			in.Error = safetext.Cut(res.Error.GetMessage(), maxErrorText)
 		default:
 			return bmdb.Heartbeat{}, errors.New("installation_report has neither success nor error")
 		}
@@ -352,16 +352,6 @@ func parseHeartbeat(m *agentv1.HeartbeatRequest, key ed25519.PublicKey) (bmdb.He
 // maxErrorText bounds an installation error as stored (the report's raw
 // protobuf keeps the whole text).
 const maxErrorText = 4096
-
-// storableText makes text from an agent storable in a PostgreSQL text
-// column: valid UTF-8 without NUL bytes (PostgreSQL refuses both, and would
-// refuse the whole batch with them), at most n bytes, cut on a character
-// boundary with "..." marking the cut.
-func storableText(s string, n int) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
-	return truncate(s, n)
-}
 
 // truncate cuts s to at most n bytes on a character boundary, ending in
 // "..." if it was cut.

@@ -75,25 +75,3 @@ func FuzzParseHeartbeat(f *testing.F) {
 		}
 	})
 }
-
-func TestStorableText(t *testing.T) {
-	long := strings.Repeat("€", 2000) // 6,000 bytes of 3-byte characters
-	tests := []struct {
-		name, in, want string
-	}{
-		{"plain", "checksum mismatch", "checksum mismatch"},
-		{"NUL", "disk\x00gone", "disk\uFFFDgone"},
-		{"invalid UTF-8", "bad \xff byte", "bad \uFFFD byte"},
-		{"cut on a character boundary", long, long[:4092] + "..."},
-		{"exactly the limit", long[:4095] + "a", long[:4095] + "a"},
-	}
-	for _, tt := range tests {
-		got := storableText(tt.in, maxErrorText)
-		if got != tt.want {
-			t.Errorf("%s: storableText = %q (%d bytes), want %q (%d bytes)", tt.name, truncate(got, 40), len(got), truncate(tt.want, 40), len(tt.want))
-		}
-		if !utf8.ValidString(got) || len(got) > maxErrorText {
-			t.Errorf("%s: %d bytes, valid UTF-8 %v", tt.name, len(got), utf8.ValidString(got))
-		}
-	}
-}

@@ -65,11 +65,12 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"google.golang.org/protobuf/proto"
 
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // Defaults for the zero values of Config's fields.
@@ -263,26 +264,9 @@ func ErrorReport(generation int64, msg string) *agentv1.OSInstallationReport {
 	return &agentv1.OSInstallationReport{
 		Generation: generation,
 		Result: &agentv1.OSInstallationReport_Error{
-			Error: &agentv1.InstallationError{Message: SendableText(msg, MaxErrorBytes)},
+			Error: &agentv1.InstallationError{Message: safetext.Cut(msg, MaxErrorBytes)},
 		},
 	}
-}
-
-// SendableText returns s as valid UTF-8 without NUL bytes (each invalid
-// byte sequence and NUL becomes U+FFFD), cut to at most n bytes on a
-// character boundary, ending in "..." if it was cut.
-func SendableText(s string, n int) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
-	if len(s) <= n {
-		return s
-	}
-	const mark = "..."
-	cut := max(n-len(mark), 0)
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + mark[:min(len(mark), n)]
 }
 
 // install does Install's work and returns its first error.

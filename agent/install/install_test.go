@@ -741,23 +741,3 @@ func TestInstallErrorIsSendable(t *testing.T) {
 		t.Errorf("the report cannot be encoded: %v", err)
 	}
 }
-
-func TestSendableText(t *testing.T) {
-	for _, c := range []struct {
-		in   string
-		n    int
-		want string
-	}{
-		{"plain", 10, "plain"},
-		{"a\xffb\x00c", 20, "a\uFFFDb\uFFFDc"},
-		{"abcdefghij", 8, "abcde..."},
-		{"ééééé", 8, "éé..."}, // 4 bytes of é fit before the mark, a fifth byte would split one
-		{"éééé", 7, "éé..."},
-		{"abc", 2, ".."},
-	} {
-		got := SendableText(c.in, c.n)
-		if got != c.want || len(got) > c.n || !utf8.ValidString(got) {
-			t.Errorf("SendableText(%q, %d) = %q, want %q", c.in, c.n, got, c.want)
-		}
-	}
-}
