@@ -19,8 +19,9 @@
 -- heartbeats does not count: no machine is silent while a heartbeat
 -- recorder (re)started recording within the heartbeat timeout, misses its
 -- check-ins (it cannot write now), or died without closing its session
--- within the timeout (migration 00013). The condition does not depend on
--- the machine, so PostgreSQL evaluates it once per query. The holds are
+-- within the timeout (heartbeat_recording_impaired, migration 00013). The
+-- condition does not depend on the machine: as a scalar subquery it is
+-- evaluated once per query. The holds are
 -- the backoff, so the shared backoff exclusion is left out:
 -- +gencandidates:holds-exclude-backoff
 SELECT p.machine_id, p.agent_phase_since AS since
@@ -32,12 +33,7 @@ WHERE p.provider = @provider
   AND p.provider_status NOT IN ('Missing', 'Stopped')
   AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
   AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-  AND NOT EXISTS (
-      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-      WHERE rs.closed_at IS NULL
-        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+  AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 UNION ALL
 SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
 FROM machine_agent_heartbeat h
@@ -45,12 +41,7 @@ JOIN machine_provided p ON p.machine_id = h.machine_id
 WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
   AND p.provider = @provider
   AND p.provider_status NOT IN ('Missing', 'Stopped')
-  AND NOT EXISTS (
-      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-      WHERE rs.closed_at IS NULL
-        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+  AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 UNION ALL
 SELECT p.machine_id, p.recovery_held_until AS since
 FROM machine_provided p
@@ -66,9 +57,4 @@ WHERE p.provider = @provider
        OR (p.agent_phase = 'Heartbeating'
         AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                       AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-  AND NOT EXISTS (
-      SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-      WHERE rs.closed_at IS NULL
-        AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-             OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                 AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+  AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))

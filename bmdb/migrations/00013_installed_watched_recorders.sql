@@ -51,6 +51,24 @@ CREATE TABLE heartbeat_recorders (
     checked_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- heartbeat_recording_impaired says whether silence within the last
+-- window_ms is the recorders' doing: a recorder (re)started recording within
+-- it, a live one missed its check-ins (every second; 5 s of silence means it
+-- cannot write now), or one died without closing its session within it.
+-- The recovery candidate query and machine_states (00014) both ask it, as a
+-- scalar subquery, once per query.
+-- +goose StatementBegin
+CREATE FUNCTION heartbeat_recording_impaired(window_ms bigint) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
+        WHERE rs.closed_at IS NULL
+          AND (r.ok_since > now() - interval '1 millisecond' * window_ms
+               OR (rs.deadline > now() - interval '1 millisecond' * window_ms
+                   AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+$$;
+-- +goose StatementEnd
+
 -- machine_states follows in 00014, with the candidate holds.
 
 -- +goose Down

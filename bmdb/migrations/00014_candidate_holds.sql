@@ -244,12 +244,7 @@ LEFT JOIN (
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h3 WHERE h3.machine_id = p3.machine_id
                               AND h3.agent_heartbeat_at < now() - interval '1 millisecond' * heartbeat_timeout_ms)))
     ) u
-    WHERE NOT EXISTS (
-        SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-        WHERE rs.closed_at IS NULL
-          AND (r.ok_since > now() - interval '1 millisecond' * heartbeat_timeout_ms
-               OR (rs.deadline > now() - interval '1 millisecond' * heartbeat_timeout_ms
-                   AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+    WHERE NOT (SELECT heartbeat_recording_impaired(heartbeat_timeout_ms))
 ) sl ON sl.machine_id = p.machine_id
 $$;
 -- +goose StatementEnd

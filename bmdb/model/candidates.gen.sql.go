@@ -598,12 +598,7 @@ WITH candidate AS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -611,12 +606,7 @@ WITH candidate AS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -632,12 +622,7 @@ WITH candidate AS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -786,12 +771,7 @@ WITH candidate AS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -799,12 +779,7 @@ WITH candidate AS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -820,12 +795,7 @@ WITH candidate AS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -1070,12 +1040,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -1083,12 +1048,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -1104,12 +1064,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1156,12 +1111,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -1169,12 +1119,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -1189,12 +1134,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
 ) c
 `
 
@@ -1392,12 +1332,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -1405,12 +1340,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -1426,12 +1356,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1477,8 +1402,9 @@ type ListRecoveryCandidatesParams struct {
 // heartbeats does not count: no machine is silent while a heartbeat
 // recorder (re)started recording within the heartbeat timeout, misses its
 // check-ins (it cannot write now), or died without closing its session
-// within the timeout (migration 00013). The condition does not depend on
-// the machine, so PostgreSQL evaluates it once per query. The holds are
+// within the timeout (heartbeat_recording_impaired, migration 00013). The
+// condition does not depend on the machine: as a scalar subquery it is
+// evaluated once per query. The holds are
 // the backoff, so the shared backoff exclusion is left out:
 func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listRecoveryCandidates,
@@ -1520,12 +1446,7 @@ SELECT EXISTS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -1533,12 +1454,7 @@ SELECT EXISTS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
           AND p.provider = $1
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -1554,12 +1470,7 @@ SELECT EXISTS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * $3::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * $3::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
     ) c
     WHERE c.machine_id = $4::uuid
 )::boolean AS matches

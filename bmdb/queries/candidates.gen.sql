@@ -545,8 +545,9 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- heartbeats does not count: no machine is silent while a heartbeat
 -- recorder (re)started recording within the heartbeat timeout, misses its
 -- check-ins (it cannot write now), or died without closing its session
--- within the timeout (migration 00013). The condition does not depend on
--- the machine, so PostgreSQL evaluates it once per query. The holds are
+-- within the timeout (heartbeat_recording_impaired, migration 00013). The
+-- condition does not depend on the machine: as a scalar subquery it is
+-- evaluated once per query. The holds are
 -- the backoff, so the shared backoff exclusion is left out:
 SELECT c.machine_id
 FROM (
@@ -559,12 +560,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -572,12 +568,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -593,12 +584,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -625,12 +611,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -638,12 +619,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -659,12 +635,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -693,12 +664,7 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -706,12 +672,7 @@ FROM (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -726,12 +687,7 @@ FROM (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c;
 
 -- name: RecoveryMatches :one
@@ -751,12 +707,7 @@ SELECT EXISTS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -764,12 +715,7 @@ SELECT EXISTS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -785,12 +731,7 @@ SELECT EXISTS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
     ) c
     WHERE c.machine_id = @machine_id::uuid
 )::boolean AS matches;
@@ -825,12 +766,7 @@ WITH candidate AS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -838,12 +774,7 @@ WITH candidate AS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -859,12 +790,7 @@ WITH candidate AS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -950,12 +876,7 @@ WITH candidate AS (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
@@ -963,12 +884,7 @@ WITH candidate AS (
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
           AND p.provider = @provider
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
@@ -984,12 +900,7 @@ WITH candidate AS (
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                               AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
-          AND NOT EXISTS (
-              SELECT 1 FROM heartbeat_recorders r JOIN sessions rs ON rs.session_id = r.session_id
-              WHERE rs.closed_at IS NULL
-                AND (r.ok_since > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                     OR (rs.deadline > now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-                         AND (rs.deadline <= now() OR r.checked_at < now() - interval '5 seconds'))))
+          AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
