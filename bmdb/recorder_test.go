@@ -2,6 +2,7 @@ package bmdb_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -69,10 +70,11 @@ func TestHeartbeatRecorderRun(t *testing.T) {
 	db := bmdbtest.New(t)
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Stale: 1})
 	r := db.NewHeartbeatRecorder(nil)
-	ctx, stop := context.WithCancel(t.Context())
+	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
-	defer func() { stop(); <-done }()
+	stop := sync.OnceValue(func() error { cancel(); return <-done })
+	defer stop()
 
 	bmdbtest.WaitFor(t, 10*time.Second, "the recorder registers", func(ctx context.Context) (bool, error) {
 		var n int64
@@ -97,11 +99,9 @@ func TestHeartbeatRecorderRun(t *testing.T) {
 		t.Errorf("after a failed batch: %d candidates, want 0", c)
 	}
 
-	stop()
-	if err := <-done; err != nil {
+	if err := stop(); err != nil {
 		t.Fatalf("Run: %v", err)
 	}
-	done <- nil
 	if c, _ := silentNow(t, db, "p"); c != 1 {
 		t.Errorf("after the recorder stopped cleanly: %d candidates, want 1", c)
 	}

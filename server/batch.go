@@ -28,8 +28,7 @@ type batcher struct {
 	flushers     int
 	flushTimeout time.Duration
 	metrics      *metrics
-	failed       func(error) // told about every batch the database failed
-	recorded     func()      // told about every batch written
+	failed       func() // told about every batch the database failed
 }
 
 type pendingBeat struct {
@@ -48,7 +47,7 @@ var (
 	errBusy = errors.New("callback server is busy")
 )
 
-func newBatcher(db *bmdb.DB, maxBatch, flushers int, flushTimeout time.Duration, m *metrics) *batcher {
+func newBatcher(db *bmdb.DB, maxBatch, flushers int, flushTimeout time.Duration, m *metrics, failed func()) *batcher {
 	return &batcher{
 		db:           db,
 		verified:     make(chan *pendingBeat, 4*maxBatch),
@@ -57,8 +56,7 @@ func newBatcher(db *bmdb.DB, maxBatch, flushers int, flushTimeout time.Duration,
 		flushers:     flushers,
 		flushTimeout: flushTimeout,
 		metrics:      m,
-		failed:       func(error) {},
-		recorded:     func() {},
+		failed:       failed,
 	}
 }
 
@@ -175,9 +173,7 @@ func (b *batcher) flush(ctx context.Context) {
 		res, err := b.db.RecordHeartbeats(fctx, hbs)
 		cancel()
 		if err != nil {
-			b.failed(err)
-		} else {
-			b.recorded()
+			b.failed()
 		}
 		for i, p := range batch {
 			if err != nil {

@@ -180,9 +180,8 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	if err := s.loadTLS(); err != nil {
 		return nil, err
 	}
-	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, cfg.FlushTimeout, m)
 	s.recorder = db.NewHeartbeatRecorder(s.log)
-	s.batch.failed = func(error) { s.recorder.Failed() }
+	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, cfg.FlushTimeout, m, s.recorder.Failed)
 	return s, nil
 }
 
