@@ -27,27 +27,32 @@ const MaxRecoveryWindow = 24 * time.Hour
 // when the machine changed, and nil when the side effect may go ahead.
 func (s *Session) CheckWork(ctx context.Context, process Process, machine uuid.UUID, c Candidates) error {
 	err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
-		held, err := q.WorkHeld(ctx, model.WorkHeldParams{MachineID: machine, Process: string(process), SessionID: s.id})
-		if err != nil {
-			return err
-		}
-		if !held {
-			return ErrSessionExpired
-		}
-		ok, err := c.matches(ctx, q, machine)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			return ErrNotCandidate
-		}
-		return nil
+		return s.checkWork(ctx, q, process, machine, c)
 	})
 	switch {
 	case errors.Is(err, ErrSessionExpired), errors.Is(err, ErrNotCandidate):
 		return err
 	case err != nil:
 		return fmt.Errorf("bmdb: checking %s work on machine %s: %w", process, machine, err)
+	}
+	return nil
+}
+
+// checkWork is CheckWork within the caller's transaction.
+func (s *Session) checkWork(ctx context.Context, q *model.Queries, process Process, machine uuid.UUID, c Candidates) error {
+	held, err := q.WorkHeld(ctx, model.WorkHeldParams{MachineID: machine, Process: string(process), SessionID: s.id})
+	if err != nil {
+		return fmt.Errorf("checking the work: %w", err)
+	}
+	if !held {
+		return ErrSessionExpired
+	}
+	ok, err := c.matches(ctx, q, machine)
+	if err != nil {
+		return fmt.Errorf("checking the machine is still a candidate: %w", err)
+	}
+	if !ok {
+		return ErrNotCandidate
 	}
 	return nil
 }
@@ -137,19 +142,15 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 		if err := q.ProviderStateLock(ctx, r.Provider); err != nil {
 			return fmt.Errorf("locking provider: %w", err)
 		}
-		held, err := q.WorkHeld(ctx, model.WorkHeldParams{MachineID: r.MachineID, Process: string(ProcessRecovery), SessionID: s.id})
-		if err != nil {
-			return fmt.Errorf("checking the work: %w", err)
-		}
-		if !held {
-			return ErrSessionExpired
-		}
-		silent, err := r.Candidates.matches(ctx, q, r.MachineID)
-		if err != nil {
-			return fmt.Errorf("checking the machine is silent: %w", err)
+		err := s.checkWork(ctx, q, ProcessRecovery, r.MachineID, r.Candidates)
+		if errors.Is(err, ErrNotCandidate) {
+			a.Decision = RebootNotSilent
+			return nil
+		} else if err != nil {
+			return err
 		}
 		st, err := q.RecoveryAdmissionState(ctx, r.MachineID)
-		if errors.Is(err, pgx.ErrNoRows) || (err == nil && !silent) {
+		if errors.Is(err, pgx.ErrNoRows) {
 			a.Decision = RebootNotSilent
 			return nil
 		} else if err != nil {
