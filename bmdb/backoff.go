@@ -3,6 +3,8 @@ package bmdb
 import (
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -107,3 +109,53 @@ type Backoff struct {
 	// Cause is the error text of the last failure.
 	Cause string
 }
+
+// String formats p as ParseBackoff reads it: initial,maximum,exponent,attempts.
+func (p BackoffPolicy) String() string {
+	return fmt.Sprintf("%s,%s,%s,%d", p.Initial, p.Maximum, strconv.FormatFloat(p.Exponent, 'g', -1, 64), p.MaxAttempts)
+}
+
+// ParseBackoff reads a policy written "initial,maximum,exponent,attempts"
+// (e.g. "5m,4h,1.2,20": wait 5 min after the first failure, ×1.2 after each
+// further one up to 4 h, quarantine after 20 failures in a row; a maximum of
+// 0 means no cap, 0 attempts never quarantine). Jitter keeps its default.
+func ParseBackoff(s string) (BackoffPolicy, error) {
+	parts := strings.Split(s, ",")
+	if len(parts) != 4 {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: want initial,maximum,exponent,attempts (e.g. 5m,4h,1.2,20)", s)
+	}
+	for i := range parts {
+		parts[i] = strings.TrimSpace(parts[i])
+	}
+	var p BackoffPolicy
+	var err error
+	if p.Initial, err = time.ParseDuration(parts[0]); err != nil {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: initial %q is not a duration", s, parts[0])
+	}
+	if p.Maximum, err = time.ParseDuration(parts[1]); err != nil {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: maximum %q is not a duration", s, parts[1])
+	}
+	if p.Exponent, err = strconv.ParseFloat(parts[2], 64); err != nil {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: exponent %q is not a number", s, parts[2])
+	}
+	if p.MaxAttempts, err = strconv.Atoi(parts[3]); err != nil {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: attempts %q is not a whole number", s, parts[3])
+	}
+	if err := p.Validate(); err != nil {
+		return BackoffPolicy{}, fmt.Errorf("backoff %q: %w", s, err)
+	}
+	return p, nil
+}
+
+// Set implements pflag.Value, so a policy binds to a flag.
+func (p *BackoffPolicy) Set(s string) error {
+	v, err := ParseBackoff(s)
+	if err != nil {
+		return err
+	}
+	*p = v
+	return nil
+}
+
+// Type implements pflag.Value.
+func (p *BackoffPolicy) Type() string { return "initial,max,exp,attempts" }

@@ -3,6 +3,7 @@ package bmdb_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -226,5 +227,33 @@ func TestJitterSpreadsRetries(t *testing.T) {
 	}
 	if hi-lo < 10 {
 		t.Errorf("waits span only %.2f s of the 20 s jitter window", hi-lo)
+	}
+}
+
+func TestParseBackoff(t *testing.T) {
+	t.Parallel()
+	p, err := bmdb.ParseBackoff(" 5m, 4h ,1.2,20")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p != bmdb.AgentStartBackoff() {
+		t.Errorf("parsed %v, want %v", p, bmdb.AgentStartBackoff())
+	}
+	if again, err := bmdb.ParseBackoff(p.String()); err != nil || again != p {
+		t.Errorf("String %q parses back to %v, %v", p.String(), again, err)
+	}
+	for in, want := range map[string]string{
+		"5m,4h,1.2":       "want initial,maximum,exponent,attempts",
+		"5x,4h,1.2,20":    `initial "5x"`,
+		"5m,forever,1,20": `maximum "forever"`,
+		"5m,4h,fast,20":   `exponent "fast"`,
+		"5m,4h,1.2,many":  `attempts "many"`,
+		"0s,4h,1.2,20":    "Initial must be > 0",
+		"5m,4h,NaN,20":    "Exponent",
+		"5m,4h,1.2,-1":    "MaxAttempts",
+	} {
+		if _, err := bmdb.ParseBackoff(in); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("ParseBackoff(%q) = %v, want an error with %q", in, err, want)
+		}
 	}
 }

@@ -220,3 +220,28 @@ func TestWorkTimeoutFlags(t *testing.T) {
 		t.Errorf("work timeouts %v, want %v", got, want)
 	}
 }
+
+func TestBackoffFlags(t *testing.T) {
+	var cfg stackConfig
+	fl := pflag.NewFlagSet("run", pflag.ContinueOnError)
+	fl.SetOutput(io.Discard)
+	bindStackFlags(fl, &cfg)
+	if cfg.Initializer.Backoff != bmdb.AgentStartBackoff() || cfg.Recoverer.Backoff != bmdb.RecoveryBackoff() {
+		t.Errorf("default backoffs %v and %v, want the SPEC's %v and %v",
+			cfg.Initializer.Backoff, cfg.Recoverer.Backoff, bmdb.AgentStartBackoff(), bmdb.RecoveryBackoff())
+	}
+	if err := fl.Parse([]string{"--initializer-backoff=10s,2m,1.5,30", "--recoverer-backoff=20s,0s,1,0"}); err != nil {
+		t.Fatal(err)
+	}
+	want := bmdb.BackoffPolicy{Initial: 10 * time.Second, Maximum: 2 * time.Minute, Exponent: 1.5, MaxAttempts: 30}
+	if cfg.Initializer.Backoff != want {
+		t.Errorf("initializer backoff %v, want %v", cfg.Initializer.Backoff, want)
+	}
+	if want := (bmdb.BackoffPolicy{Initial: 20 * time.Second, Exponent: 1}); cfg.Recoverer.Backoff != want {
+		t.Errorf("recoverer backoff %v, want %v", cfg.Recoverer.Backoff, want)
+	}
+	err := fl.Parse([]string{"--recoverer-backoff=1m,10s,2,5"})
+	if err == nil || !strings.Contains(err.Error(), "below Initial") {
+		t.Errorf("a maximum below the initial wait: err %v, want it named", err)
+	}
+}

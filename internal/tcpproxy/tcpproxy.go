@@ -104,6 +104,15 @@ func (p *Proxy) SetDelay(d time.Duration) {
 	p.delay = d
 }
 
+// SetTarget makes new connections go to target; existing ones keep their
+// server. A test moves a proxy to a new server the way a virtual IP or a DNS
+// name moves after a failover.
+func (p *Proxy) SetTarget(target string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.target = target
+}
+
 // Mode returns the current mode.
 func (p *Proxy) Mode() Mode {
 	p.mu.Lock()
@@ -154,8 +163,11 @@ func (p *Proxy) accept() {
 func (p *Proxy) serve(client net.Conn) {
 	defer p.wg.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	p.mu.Lock()
+	target := p.target
+	p.mu.Unlock()
 	var d net.Dialer
-	server, err := d.DialContext(ctx, "tcp", p.target)
+	server, err := d.DialContext(ctx, "tcp", target)
 	cancel()
 	if err != nil {
 		client.Close()

@@ -192,3 +192,63 @@ func TestDropReplies(t *testing.T) {
 		t.Fatalf("pass again: got %q, %v", line, err)
 	}
 }
+
+// prefixServer answers every line with prefix and the line.
+func prefixServer(t *testing.T, prefix string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					if _, err := io.WriteString(c, prefix+line); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func TestSetTarget(t *testing.T) {
+	p, err := Start(prefixServer(t, "a:"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	old, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	if got, err := roundTrip(old, 5*time.Second); err != nil || got != "a:ping\n" {
+		t.Fatalf("before: got %q, %v", got, err)
+	}
+	p.SetTarget(prefixServer(t, "b:"))
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if got, err := roundTrip(c, 5*time.Second); err != nil || got != "b:ping\n" {
+		t.Fatalf("a new connection after SetTarget: got %q, %v, want the new target", got, err)
+	}
+	if got, err := roundTrip(old, 5*time.Second); err != nil || got != "a:ping\n" {
+		t.Fatalf("an existing connection after SetTarget: got %q, %v, want the old target", got, err)
+	}
+}
