@@ -185,7 +185,17 @@ func WaitFor(t testing.TB, timeout time.Duration, what string, cond func(context
 // description of each violation (at most 20).
 func OverlappingClaims(t testing.TB, db *DB) []string {
 	t.Helper()
-	rows, err := db.Pool.Query(t.Context(), `
+	out, err := OverlappingClaimsIn(t.Context(), db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// OverlappingClaimsIn is OverlappingClaims for any BMDB pool, for harnesses
+// that run their own PostgreSQL (the chaos soak).
+func OverlappingClaimsIn(ctx context.Context, pool *pgxpool.Pool) ([]string, error) {
+	rows, err := pool.Query(ctx, `
 		WITH claims AS (
 			SELECT machine_id, history_id, event, session_id,
 			       lag(event) OVER w AS prev_event,
@@ -201,7 +211,7 @@ func OverlappingClaims(t testing.TB, db *DB) []string {
 		   OR (event <> 'Started' AND (prev_event IS DISTINCT FROM 'Started' OR prev_session IS DISTINCT FROM session_id))
 		LIMIT 20`)
 	if err != nil {
-		t.Fatal(err)
+		return nil, fmt.Errorf("querying work history for overlapping claims: %w", err)
 	}
 	defer rows.Close()
 	var out []string
@@ -210,12 +220,12 @@ func OverlappingClaims(t testing.TB, db *DB) []string {
 		var id int64
 		var ev, prev string
 		if err := rows.Scan(&m, &id, &ev, &prev); err != nil {
-			t.Fatal(err)
+			return nil, fmt.Errorf("reading overlapping claims: %w", err)
 		}
 		out = append(out, fmt.Sprintf("machine %s: history %d %s after %q", m, id, ev, prev))
 	}
 	if err := rows.Err(); err != nil {
-		t.Fatal(err)
+		return nil, fmt.Errorf("reading overlapping claims: %w", err)
 	}
-	return out
+	return out, nil
 }

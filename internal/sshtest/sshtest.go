@@ -341,6 +341,28 @@ func (h *Host) ChangeHostKey(t testing.TB) ssh.PublicKey {
 	return h.HostKey
 }
 
+// HostKeySet is a Host's host keys, private halves included: Keys takes
+// them, SetHostKeys gives them back (a host key rotation undone).
+type HostKeySet struct {
+	signers []crypto.Signer
+	pubs    []ssh.PublicKey
+}
+
+// Keys returns the Host's current host keys.
+func (h *Host) Keys() HostKeySet { return HostKeySet{h.hostKeys, h.HostKeys} }
+
+// SetHostKeys restarts the server with keys (from Keys) as its host keys.
+func (h *Host) SetHostKeys(t testing.TB, keys HostKeySet) {
+	t.Helper()
+	if len(keys.signers) == 0 {
+		t.Fatal("sshtest: SetHostKeys: no keys (use a HostKeySet from Keys)")
+	}
+	h.hostKeys, h.HostKeys, h.HostKey = keys.signers, keys.pubs, keys.pubs[0]
+	if err := h.restart(t.Context()); err != nil {
+		t.Fatalf("sshtest: restarting %s server on %s with other host keys: %v", h.Kind, h.Addr, err)
+	}
+}
+
 // PIDFile is the path of sshd's pid file (OpenSSH only; "" for Gliderlabs),
 // so a test's "reboot command" run through SSH can restart sshd itself with
 // `kill -HUP $(cat PIDFILE)`. sshd re-executes itself with the same pid and

@@ -376,7 +376,7 @@ func TestRestartAndChangeHostKey(t *testing.T) {
 	forEachKind(t, func(t *testing.T, kind Kind) {
 		key := NewKey(t)
 		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
-		addr, oldKey := h.Addr, h.HostKey
+		addr, oldKey, oldKeys := h.Addr, h.HostKey, h.Keys()
 		established := mustDial(t, h, key)
 		oldPID := readPID(t, h)
 
@@ -420,6 +420,24 @@ func TestRestartAndChangeHostKey(t *testing.T) {
 		}
 		defer c2.Close()
 		mustRun(t, c2, "true")
+
+		// The rotation undone: the old keys serve again, the new ones not.
+		h.SetHostKeys(t, oldKeys)
+		if !keysEqual(h.HostKey, oldKey) {
+			t.Fatalf("SetHostKeys: HostKey %s, want the old %s", ssh.FingerprintSHA256(h.HostKey), ssh.FingerprintSHA256(oldKey))
+		}
+		if c, err := dial(t.Context(), h, h.User, key, newKey); !errors.Is(err, errHostKeyMismatch) {
+			if c != nil {
+				c.Close()
+			}
+			t.Errorf("logging in with the rotated key after SetHostKeys: %v, want %v", err, errHostKeyMismatch)
+		}
+		c3, err := dial(t.Context(), h, h.User, key, oldKey)
+		if err != nil {
+			t.Fatalf("logging in with the restored key: %v", err)
+		}
+		defer c3.Close()
+		mustRun(t, c3, "true")
 	})
 }
 
