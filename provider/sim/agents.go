@@ -96,7 +96,8 @@ type daemon struct {
 	inflight         bool  // a worker runs its heartbeat
 	stopped          bool  // the agent is gone (replaced, rebooted, killed, fleet stopped)
 	silenced         bool
-	hwDelivered      bool // a heartbeat with the hardware report succeeded
+	hwRecorded       bool // the server said it recorded the hardware report
+	dropped          bool // the last heartbeat was dropped by a Partition
 	installing       bool
 	rebootAfter      bool // reboot once the successful report is delivered
 }
@@ -223,6 +224,7 @@ func (f *Fleet) startAgent(a *daemon, boot uint32) error {
 	s := &f.slots[a.slot]
 	var err error
 	var old *http.Client
+	now := f.now()
 	switch {
 	case f.stopped:
 		err = errors.New("the simulated fleet has stopped")
@@ -237,6 +239,9 @@ func (f *Fleet) startAgent(a *daemon, boot uint32) error {
 	}
 	f.mu.Unlock()
 	closeIdle(old)
+	if o := f.cfg.Observer; err == nil && o != nil {
+		o.AgentStarted(f.id(a.slot), a.machineID, f.at(now))
+	}
 	return err
 }
 
@@ -420,8 +425,10 @@ func (f *Fleet) drop(a *daemon) {
 
 // heartbeat sends a's heartbeat and acts on the answer as the real daemon
 // does (SPEC §4.3): the next one after the server's interval, or after an
-// exponential backoff with jitter if it failed; installations; the reboot
-// an installation asks for.
+// exponential backoff with jitter if it failed; the reports resent until
+// the server says it recorded them; installations; the reboot an
+// installation asks for. A heartbeat of a partitioned machine fails at
+// once, as if it had timed out, without holding the worker.
 func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 	f.mu.Lock()
 	if a.stopped || a.silenced {
@@ -429,7 +436,8 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 		f.drop(a)
 		return
 	}
-	if a.installing && a.installDone <= f.now() {
+	sent := f.now()
+	if a.installing && a.installDone <= sent {
 		a.installing = false
 		a.report = &agentv1.OSInstallationReport{
 			Generation: a.generation,
@@ -437,8 +445,26 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 		}
 		f.stats.Installations++
 	}
+	if f.slots[a.slot].partitioned {
+		// Dropped on the way: the agent would see its RPC time out after
+		// heartbeatTimeout, then back off. The worker does not wait: the
+		// timeout is added to the next due time instead.
+		a.inflight = false
+		a.dropped = true
+		f.stats.HeartbeatsFailed++
+		f.stats.HeartbeatsDropped++
+		wait := f.retryLocked(a, sent+heartbeatTimeout)
+		f.mu.Unlock()
+		f.metrics.heartbeats.WithLabelValues("error").Inc()
+		f.log.DebugContext(ctx, "heartbeat dropped by a partition, retrying", "machine_id", a.machineID,
+			"retry_in", (heartbeatTimeout + wait).Round(time.Millisecond))
+		return
+	}
+	a.dropped = false
+	// The reports go with every heartbeat until the server says it stored
+	// them, as the real daemon sends them.
 	req := &agentv1.HeartbeatRequest{MachineId: a.machineID, AgentVersion: agentVersion, InstallationReport: a.report}
-	if !a.hwDelivered {
+	if !a.hwRecorded {
 		req.HardwareReport = hardwareReport(a.slot, f.id(a.slot))
 	}
 	client := a.client
@@ -447,6 +473,7 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 	rctx, cancel := context.WithTimeout(ctx, heartbeatTimeout)
 	resp, err := client.rpc.Heartbeat(rctx, connect.NewRequest(req))
 	cancel()
+	f.observeHeartbeat(a, req, sent, resp, err)
 
 	f.mu.Lock()
 	if ctx.Err() != nil || a.stopped {
@@ -460,11 +487,7 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 	now := f.now()
 	if err != nil {
 		f.stats.HeartbeatsFailed++
-		a.backoff = min(max(2*a.backoff, minBackoff), maxBackoff)
-		wait := jitter(a.backoff)
-		if !a.silenced {
-			f.scheduleLocked(a, now+wait)
-		}
+		wait := f.retryLocked(a, now)
 		f.mu.Unlock()
 		f.metrics.heartbeats.WithLabelValues("error").Inc()
 		f.log.DebugContext(ctx, "heartbeat failed, retrying", "machine_id", a.machineID, "err", err, "retry_in", wait.Round(time.Millisecond))
@@ -473,9 +496,12 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 	f.stats.HeartbeatsOK++
 	f.metrics.heartbeats.WithLabelValues("ok").Inc()
 	a.backoff = 0
-	a.hwDelivered = true
+	if req.HardwareReport != nil && resp.Msg.GetHardwareReportRecorded() {
+		a.hwRecorded = true
+	}
 	f.slots[a.slot].lastHeartbeat = now
-	if delivered := req.InstallationReport; delivered != nil && delivered == a.report {
+	if delivered := req.InstallationReport; delivered != nil && delivered == a.report &&
+		resp.Msg.GetInstallationReportRecorded() == delivered.GetGeneration() {
 		a.report = nil
 		reboot := a.rebootAfter && delivered.GetSuccess() != nil
 		a.rebootAfter = false
@@ -497,6 +523,35 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 		f.scheduleLocked(a, now+interval)
 	}
 	f.mu.Unlock()
+}
+
+// retryLocked doubles a's backoff after a failed heartbeat and queues the
+// next one a jittered backoff after after; it returns the wait. f.mu must
+// be held.
+func (f *Fleet) retryLocked(a *daemon, after time.Duration) time.Duration {
+	a.backoff = min(max(2*a.backoff, minBackoff), maxBackoff)
+	wait := jitter(a.backoff)
+	if !a.silenced {
+		f.scheduleLocked(a, after+wait)
+	}
+	return wait
+}
+
+// observeHeartbeat tells the observer, if any, how the server answered
+// req, a's heartbeat sent at sent: OK, or an error the server sent.
+// Transport failures and timeouts are not its business. f.mu must not be
+// held.
+func (f *Fleet) observeHeartbeat(a *daemon, req *agentv1.HeartbeatRequest, sent time.Duration,
+	resp *connect.Response[agentv1.HeartbeatResponse], err error) {
+	o := f.cfg.Observer
+	switch {
+	case o == nil:
+	case err == nil:
+		hw := req.HardwareReport != nil && resp.Msg.GetHardwareReportRecorded()
+		o.HeartbeatAcked(f.id(a.slot), a.machineID, f.at(sent), f.at(f.now()), hw)
+	case connect.IsWireError(err):
+		o.HeartbeatRefused(f.id(a.slot), a.machineID, f.at(sent), connect.CodeOf(err))
+	}
 }
 
 // maybeInstallLocked starts the installation ir asks for unless its
@@ -549,6 +604,12 @@ func (f *Fleet) shutdown() {
 			conns = append(conns, c)
 		}
 	}
+	for _, hs := range f.holes {
+		for c := range hs {
+			conns = append(conns, c)
+		}
+	}
+	f.holes = map[int32]map[net.Conn]struct{}{}
 	f.pools, f.queue, f.files = map[string]*sharedPool{}, nil, map[int32]*memFS{}
 	f.mu.Unlock()
 	for _, c := range conns {

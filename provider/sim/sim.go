@@ -8,8 +8,17 @@
 // TakeoverInit on stdin; the simulated agent then sends real heartbeat RPCs
 // over TLS to the callback server the TakeoverInit names, and reacts to its
 // answers (interval, installation requests) like the real daemon (§4.3).
-// The simulated machines have no shell: every command run over SSH is the
-// takeover, and SFTP keeps file names and sizes, never contents.
+// The simulated machines have no shell: a command run over SSH is the
+// takeover, except Config.RebootCommand, which reboots the machine as a
+// static inventory's reboot_command does; SFTP keeps file names and sizes,
+// never contents.
+//
+// Chaos: besides the failure rates of Config, a test driver can kill,
+// silence and revive machines, make their reboots fail or hang
+// (SetRebootFault), cut their heartbeats off (Partition), and learn what
+// really happened through Config.Observer. ServeSSH serves a machine's SSH
+// server on a real TCP listener, so that other processes reach it as they
+// would a real machine, e.g. through the static provider after Provision.
 //
 // Scale: a slot is a small struct in one slice, so 100,000 machines cost a
 // few megabytes until they are used. There is no goroutine per machine: SSH
@@ -78,7 +87,7 @@ type Config struct {
 	// a TakeoverError although their input was valid.
 	TakeoverFailureRate float64
 	// RebootFailureRate is the share (0..1) of reboots and reinstalls the
-	// provider refuses.
+	// provider refuses, and of reboot commands (RebootCommand) that fail.
 	RebootFailureRate float64
 	// SSHFailureRate is the share (0..1) of SSH dials that fail.
 	SSHFailureRate float64
@@ -100,6 +109,15 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the fleet's metrics; nil keeps them private.
 	Registerer prometheus.Registerer
+	// RebootCommand, if set, is the command that reboots a machine when
+	// run over SSH, as a static inventory's reboot_command: it answers
+	// exit status 0 and the machine goes down (see RebootMachine), and the
+	// connection closes. Subject to SetRebootFault and RebootFailureRate.
+	// Every other command is the takeover.
+	RebootCommand string
+	// Observer, if set, is told what really happens (heartbeats answered,
+	// reboots, agents started). It is not part of the YAML configuration.
+	Observer Observer
 }
 
 // Validate names the first bad field and its value. It changes nothing.
@@ -170,6 +188,9 @@ type slot struct {
 	reinstalls uint32 // mixed into the host key: a reinstall changes it
 	used       bool
 	killed     bool
+	// partitioned drops the heartbeats of the machine's agents (Partition).
+	partitioned bool
+	rebootFault uint8 // a RebootFault (SetRebootFault)
 }
 
 // Fleet is a simulated fleet. It implements provider.Provider,
@@ -193,7 +214,10 @@ type Fleet struct {
 	files map[int32]*memFS
 	// conns are the open SSH connections by machine; they exist only
 	// while a takeover runs.
-	conns   map[int32]map[net.Conn]struct{}
+	conns map[int32]map[net.Conn]struct{}
+	// holes are the TCP connections ServeSSH accepted for killed machines
+	// and holds without answering, by machine.
+	holes   map[int32]map[net.Conn]struct{}
 	queue   agentQueue             // agents waiting for their next heartbeat
 	pools   map[string]*sharedPool // shared-key clients by endpoint and CA
 	stats   Stats
@@ -243,6 +267,7 @@ func New(cfg Config) (*Fleet, error) {
 		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5368657068657264)), // "Shepherd"
 		files:    map[int32]*memFS{},
 		conns:    map[int32]map[net.Conn]struct{}{},
+		holes:    map[int32]map[net.Conn]struct{}{},
 		pools:    map[string]*sharedPool{},
 		wake:     make(chan struct{}, 1),
 		agentKey: ed25519.NewKeyFromSeed(sha256Of("shepherd-sim agent key\x00", seed[:])),
@@ -427,8 +452,9 @@ func (f *Fleet) CreateMachine(ctx context.Context, req provider.CreateRequest) (
 // answer SSH for RebootLatency; then it is reachable again, without an
 // agent, like a machine rebooted into a rescue system. It fails for a
 // killed or unused machine (an error wrapping provider.ErrNotReached: like
-// a dead machine's BMC, it never answers) and with RebootFailureRate (an
-// injected failure that may have rebooted it).
+// a dead machine's BMC, it never answers), with RebootFailureRate (an
+// injected failure) and as SetRebootFault says: RebootFails returns an
+// error, RebootHangs blocks until ctx ends and returns its error, wrapped.
 func (f *Fleet) RebootMachine(ctx context.Context, id string) error {
 	return f.reboot(ctx, id, false)
 }
@@ -453,13 +479,25 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 	}
 	f.mu.Lock()
 	s := &f.slots[i]
+	outcome := RebootWorks
 	switch {
 	case !s.used:
 		err = fmt.Errorf("sim: %s %s: the machine is not provisioned (%w)", what, id, provider.ErrNotReached)
 	case s.killed:
 		err = fmt.Errorf("sim: %s %s: the machine does not respond (killed) (%w)", what, id, provider.ErrNotReached)
-	case f.chance(f.cfg.RebootFailureRate):
-		err = fmt.Errorf("sim: %s %s: injected failure", what, id)
+	default:
+		outcome = f.rebootOutcomeLocked(i)
+		if outcome == RebootFails {
+			err = fmt.Errorf("sim: %s %s: injected failure", what, id)
+		}
+	}
+	if outcome == RebootHangs {
+		f.stats.RebootsHung++
+		f.mu.Unlock()
+		f.metrics.reboots.WithLabelValues("error").Inc()
+		f.log.InfoContext(ctx, "reboot hangs", "provider_id", id, "reinstall", reinstall)
+		<-ctx.Done()
+		return fmt.Errorf("sim: %s %s: no answer (the reboot hangs): %w", what, id, ctx.Err())
 	}
 	if err != nil {
 		f.stats.RebootsFailed++
@@ -467,6 +505,19 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 		f.metrics.reboots.WithLabelValues("error").Inc()
 		return err
 	}
+	at, closeAfter := f.rebootLocked(i, reinstall)
+	f.mu.Unlock()
+	closeAfter()
+	f.rebooted(ctx, i, at, reinstall)
+	return nil
+}
+
+// rebootLocked reboots slot i now, as the provider or the reboot command
+// does: it counts the reboot and ends the running system. f.mu must be
+// held; it returns when the reboot happened and a func that closes what
+// must be closed once f.mu is released. The caller then calls rebooted.
+func (f *Fleet) rebootLocked(i int32, reinstall bool) (at time.Duration, closeAfter func()) {
+	s := &f.slots[i]
 	now := f.now()
 	if reinstall {
 		s.reinstalls++
@@ -474,13 +525,16 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 	s.reboots++
 	s.lastReboot = now
 	s.rebootUntil = now + f.cfg.RebootLatency
-	closeAfter := f.shutdownLocked(i)
 	f.stats.Reboots++
-	f.mu.Unlock()
-	closeAfter()
+	return now, f.shutdownLocked(i)
+}
+
+// rebooted reports a reboot rebootLocked did at at: metrics, log and the
+// observer. f.mu must not be held.
+func (f *Fleet) rebooted(ctx context.Context, i int32, at time.Duration, reinstall bool) {
 	f.metrics.reboots.WithLabelValues("ok").Inc()
-	f.log.InfoContext(ctx, "machine rebooted", "provider_id", id, "reinstall", reinstall)
-	return nil
+	f.log.InfoContext(ctx, "machine rebooted", "provider_id", f.id(i), "reinstall", reinstall)
+	f.observeRebooted(i, at)
 }
 
 // ReleaseMachine gives a machine of ours back, like deleting a cloud
@@ -585,15 +639,15 @@ func (f *Fleet) Kill(id string) error {
 }
 
 // Revive undoes Kill: the machine is powered on again and boots without an
-// agent. On a machine that was only silenced, it makes the agent resume
-// its heartbeats.
+// agent; the connections ServeSSH held unanswered while it was dead are
+// reset (closed). On a machine that was only silenced, it makes the agent
+// resume its heartbeats.
 func (f *Fleet) Revive(id string) error {
 	i, err := f.lookup(id)
 	if err != nil {
 		return err
 	}
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	s := &f.slots[i]
 	if s.killed {
 		s.killed = false
@@ -605,6 +659,12 @@ func (f *Fleet) Revive(id string) error {
 		if !a.inflight {
 			f.scheduleLocked(a, f.now())
 		}
+	}
+	holes := f.holes[i]
+	delete(f.holes, i)
+	f.mu.Unlock()
+	for c := range holes {
+		c.Close()
 	}
 	f.log.Info("machine revived", "provider_id", id)
 	return nil
@@ -620,13 +680,17 @@ type Stats struct {
 	SSHConnections int // SSH connections open now
 
 	HeartbeatsOK     int64 // heartbeats the server answered
-	HeartbeatsFailed int64 // heartbeats that failed (network, TLS, rejected)
-	Takeovers        int64 // takeovers that started an agent
-	TakeoversFailed  int64 // takeovers that answered with a TakeoverError
-	Reboots          int64 // reboots and reinstalls through the provider
-	RebootsFailed    int64 // reboots and reinstalls the provider refused
-	Installations    int64 // installations carried out
-	Releases         int64 // machines released (ReleaseMachine) and free again
+	HeartbeatsFailed int64 // heartbeats that failed (network, TLS, rejected, dropped)
+	// HeartbeatsDropped counts the heartbeats a Partition dropped; they
+	// are counted in HeartbeatsFailed too.
+	HeartbeatsDropped int64
+	Takeovers         int64 // takeovers that started an agent
+	TakeoversFailed   int64 // takeovers that answered with a TakeoverError
+	Reboots           int64 // reboots and reinstalls through the provider or RebootCommand
+	RebootsFailed     int64 // reboots and reinstalls refused, and reboot commands that failed
+	RebootsHung       int64 // reboots, reinstalls and reboot commands that hung (RebootHangs)
+	Installations     int64 // installations carried out
+	Releases          int64 // machines released (ReleaseMachine) and free again
 }
 
 // Stats returns the fleet's counts.
@@ -640,10 +704,10 @@ func (f *Fleet) Stats() Stats {
 	return st
 }
 
-// Rebooted returns when the provider last rebooted (or reinstalled) the
-// machine and how many times it did; the zero time and 0 if never or if
-// id is unknown. Reboots an installation asks for are not counted: they
-// are the agent's, not the provider's.
+// Rebooted returns when the provider (or RebootCommand) last rebooted (or
+// reinstalled) the machine and how many times it did; the zero time and 0
+// if never or if id is unknown. Reboots an installation asks for are not
+// counted: they are the agent's, not the provider's.
 func (f *Fleet) Rebooted(id string) (at time.Time, n int) {
 	i, ok := f.index(id)
 	if !ok {
@@ -683,6 +747,7 @@ type yamlConfig struct {
 	Connections          int           `yaml:"connections"`
 	HeartbeatConcurrency int           `yaml:"heartbeat_concurrency"`
 	Seed                 int64         `yaml:"seed"`
+	RebootCommand        string        `yaml:"reboot_command"`
 }
 
 // ParseConfig reads a fleet's YAML configuration: Config's fields in
@@ -709,6 +774,7 @@ func ParseConfig(data []byte) (Config, error) {
 		Connections:          y.Connections,
 		HeartbeatConcurrency: y.HeartbeatConcurrency,
 		Seed:                 y.Seed,
+		RebootCommand:        y.RebootCommand,
 	}
 	return cfg, cfg.Validate()
 }

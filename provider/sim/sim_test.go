@@ -104,6 +104,7 @@ shared_agent_key: true
 connections: 8
 heartbeat_concurrency: 32
 seed: 42
+reboot_command: ipmitool power cycle
 `))
 	if err != nil {
 		t.Fatal(err)
@@ -112,6 +113,7 @@ seed: 42
 		Name: "lab", Machines: 1000, SSHLatency: 10 * time.Millisecond, TakeoverLatency: 490 * time.Millisecond,
 		RebootLatency: 2 * time.Second, InstallLatency: time.Minute, TakeoverFailureRate: 0.1, RebootFailureRate: 0.2,
 		SSHFailureRate: 0.05, SharedAgentKey: true, Connections: 8, HeartbeatConcurrency: 32, Seed: 42,
+		RebootCommand: "ipmitool power cycle",
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("ParseConfig (-want +got):\n%s", diff)

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/pkg/sftp"
@@ -48,46 +49,162 @@ func (f *Fleet) SSHAccess(ctx context.Context, id string) (provider.SSHAccess, e
 // (see pipe) whose other end an SSH server of machine i serves, unless the
 // machine cannot be reached.
 func (f *Fleet) dial(ctx context.Context, i int32) (net.Conn, error) {
+	client, server := pipe(f.id(i) + ":22")
+	if _, err := f.open(ctx, i, server); err != nil {
+		client.Close()
+		server.Close()
+		return nil, err
+	}
+	return client, nil
+}
+
+// answer is how a machine answers a new SSH connection.
+type answer int
+
+const (
+	answered   answer = iota // its SSH server serves the connection
+	refused                  // the connection is closed at once, like a refused one
+	blackHoled               // nothing answers: the machine is dead
+)
+
+// open waits SSHLatency (or until ctx ends), then decides how machine i
+// answers a new connection, of which conn is the server's end: if the
+// machine is up, its SSH server serves conn and open returns answered;
+// otherwise open returns how the connection goes unanswered and an error
+// wrapping ErrUnreachable that says why, and leaves conn to the caller.
+// Every way to reach a machine (dial, ServeSSH) goes through it.
+func (f *Fleet) open(ctx context.Context, i int32, conn net.Conn) (answer, error) {
 	id := f.id(i)
 	if d := f.cfg.SSHLatency; d > 0 {
 		t := time.NewTimer(d)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return nil, fmt.Errorf("sim: dialing %s: %w", id, ctx.Err())
+			return refused, fmt.Errorf("sim: dialing %s: %w", id, ctx.Err())
 		case <-t.C:
 		}
 	} else if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("sim: dialing %s: %w", id, err)
+		return refused, fmt.Errorf("sim: dialing %s: %w", id, err)
 	}
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	s := &f.slots[i]
 	var why string
+	ans := refused
 	switch {
 	case f.stopped:
 		why = "the simulated fleet has stopped"
 	case !s.used:
 		why = "the machine is not provisioned"
 	case s.killed:
-		why = "no route to host (machine killed)"
+		why, ans = "no route to host (machine killed)", blackHoled
 	case s.rebootUntil > f.now():
 		why = "connection refused (machine rebooting)"
 	case f.chance(f.cfg.SSHFailureRate):
 		why = "connection timed out (injected failure)"
 	}
 	if why != "" {
-		f.mu.Unlock()
-		return nil, fmt.Errorf("%w: dialing %s: %s", ErrUnreachable, id, why)
+		return ans, fmt.Errorf("%w: dialing %s: %s", ErrUnreachable, id, why)
 	}
 	boot, reinstalls := s.boot, s.reinstalls
-	client, server := pipe(id + ":22")
 	if f.conns[i] == nil {
 		f.conns[i] = map[net.Conn]struct{}{}
 	}
-	f.conns[i][server] = struct{}{}
-	f.conWG.Go(func() { f.serveConn(i, boot, reinstalls, server) })
+	f.conns[i][conn] = struct{}{}
+	f.conWG.Go(func() { f.serveConn(i, boot, reinstalls, conn) })
+	return answered, nil
+}
+
+// ServeSSH serves machine id's SSH server on ln, a real (TCP) listener,
+// until ctx ends, when it closes ln and returns nil, or until Accept fails,
+// when it returns the error. Other processes reach the machine there as
+// they would a real one, e.g. through a static inventory (see Provision
+// and Config.RebootCommand). A connection is treated as a dial is: after
+// SSHLatency, a machine that is not provisioned, is rebooting or fails
+// with SSHFailureRate closes it at once (as a refused connection); a
+// killed machine accepts it and never answers, until the client closes
+// it, ctx ends, the machine is revived or the fleet stops; a machine that
+// is up serves it with the same SSH server as SSHAccess's connections.
+// When ctx ends, the connections ServeSSH accepted are closed too.
+func (f *Fleet) ServeSSH(ctx context.Context, id string, ln net.Listener) error {
+	i, err := f.lookup(id)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("sim: serving SSH: %w", err)
+	}
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	var handlers sync.WaitGroup
+	defer handlers.Wait()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			ln.Close()
+			return fmt.Errorf("sim: serving SSH of %s on %s: %w", id, ln.Addr(), err)
+		}
+		conn := &ctxConn{Conn: c}
+		conn.stop = context.AfterFunc(ctx, func() { c.Close() })
+		handlers.Go(func() { f.serveAccepted(ctx, i, conn) })
+	}
+}
+
+// serveAccepted answers conn, a connection ServeSSH accepted for machine i, as
+// open decides.
+func (f *Fleet) serveAccepted(ctx context.Context, i int32, conn net.Conn) {
+	ans, err := f.open(ctx, i, conn)
+	switch ans {
+	case answered:
+		return
+	case blackHoled:
+		f.hold(i, conn)
+	default:
+		conn.Close()
+	}
+	f.log.Debug("SSH connection not answered", "provider_id", f.id(i), "remote", conn.RemoteAddr().String(), "err", err)
+}
+
+// hold keeps conn, a connection to dead machine i, open without answering
+// anything, until it is closed: by the client, by ServeSSH's context, by
+// Revive or by the fleet's end.
+func (f *Fleet) hold(i int32, conn net.Conn) {
+	f.mu.Lock()
+	if f.stopped {
+		f.mu.Unlock()
+		conn.Close()
+		return
+	}
+	if f.holes[i] == nil {
+		f.holes[i] = map[net.Conn]struct{}{}
+	}
+	f.holes[i][conn] = struct{}{}
 	f.mu.Unlock()
-	return client, nil
+	_, _ = io.Copy(io.Discard, conn) // what the client sends is lost
+	conn.Close()
+	f.mu.Lock()
+	if hs := f.holes[i]; hs != nil {
+		delete(hs, conn)
+		if len(hs) == 0 {
+			delete(f.holes, i)
+		}
+	}
+	f.mu.Unlock()
+}
+
+// ctxConn is a connection ServeSSH accepted; closing it forgets the
+// context.AfterFunc that closes it when ServeSSH's context ends, so that
+// a long-lived listener does not pile them up.
+type ctxConn struct {
+	net.Conn
+	stop func() bool
+}
+
+// Close closes the connection.
+func (c *ctxConn) Close() error {
+	c.stop()
+	return c.Conn.Close()
 }
 
 // HostKey returns machine id's SSH host key as it is now; it changes with
@@ -178,7 +295,8 @@ func (f *Fleet) serveConn(i int32, boot, reinstalls uint32, conn net.Conn) {
 }
 
 // serveSession serves one session channel: an "sftp" subsystem or an exec,
-// which is the takeover whatever the command. Everything else is refused.
+// which is the takeover whatever the command, except Config.RebootCommand.
+// Everything else is refused.
 func (f *Fleet) serveSession(ctx context.Context, i int32, boot uint32, ch ssh.Channel, reqs <-chan *ssh.Request) {
 	// The request channel closes with the SSH channel, however it ends
 	// (the client closed the session, the connection died), which stops
@@ -190,7 +308,12 @@ func (f *Fleet) serveSession(ctx context.Context, i int32, boot uint32, ch ssh.C
 		var run func()
 		switch req.Type {
 		case "exec":
-			run = func() { f.runTakeover(ctx, i, boot, ch) }
+			var cmd struct{ Command string }
+			if rc := f.cfg.RebootCommand; rc != "" && ssh.Unmarshal(req.Payload, &cmd) == nil && cmd.Command == rc {
+				run = func() { f.runReboot(ctx, i, boot, ch) }
+			} else {
+				run = func() { f.runTakeover(ctx, i, boot, ch) }
+			}
 		case "subsystem":
 			var sub struct{ Name string }
 			if ssh.Unmarshal(req.Payload, &sub) == nil && sub.Name == "sftp" {
@@ -212,6 +335,55 @@ func (f *Fleet) serveSession(ctx context.Context, i int32, boot uint32, ch ssh.C
 func exit(ch ssh.Channel, status uint32) {
 	_, _ = ch.SendRequest("exit-status", false, ssh.Marshal(struct{ Status uint32 }{status}))
 	_ = ch.Close()
+}
+
+// runReboot is Config.RebootCommand run on machine i, booted as boot,
+// until ctx (the session's) ends. As SetRebootFault and RebootFailureRate
+// say, it reboots the machine after answering exit status 0 (and the
+// machine going down closes the connection), or exits 1 with a line on
+// stderr and does nothing, or never answers and does nothing.
+func (f *Fleet) runReboot(ctx context.Context, i int32, boot uint32, ch ssh.Channel) {
+	id := f.id(i)
+	f.mu.Lock()
+	outcome := RebootWorks
+	if f.slots[i].boot == boot {
+		outcome = f.rebootOutcomeLocked(i)
+	}
+	switch outcome {
+	case RebootFails:
+		f.stats.RebootsFailed++
+	case RebootHangs:
+		f.stats.RebootsHung++
+	}
+	f.mu.Unlock()
+	switch outcome {
+	case RebootFails:
+		f.metrics.reboots.WithLabelValues("error").Inc()
+		f.log.Info("reboot command failed (injected)", "provider_id", id)
+		_, _ = io.WriteString(ch.Stderr(), "reboot: Failed to reboot system: injected failure\n")
+		exit(ch, 1)
+		return
+	case RebootHangs:
+		f.metrics.reboots.WithLabelValues("error").Inc()
+		f.log.Info("reboot command hangs (injected)", "provider_id", id)
+		<-ctx.Done() // the client gave up, or the connection died
+		_ = ch.Close()
+		return
+	}
+	f.mu.Lock()
+	if f.slots[i].boot != boot {
+		f.mu.Unlock() // the system the command ran on is gone already
+		_ = ch.Close()
+		return
+	}
+	at, closeAfter := f.rebootLocked(i, false)
+	f.mu.Unlock()
+	// The reboot is counted and observed before the client hears of it,
+	// so that whoever it tells finds it done; then the answer goes out,
+	// and only then do the machine's connections close.
+	f.rebooted(ctx, i, at, false)
+	exit(ch, 0)
+	closeAfter()
 }
 
 // runSFTP serves SFTP on ch from machine i's in-memory file system.

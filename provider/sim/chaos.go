@@ -1,0 +1,178 @@
+package sim
+
+import (
+	"fmt"
+	"time"
+
+	"connectrpc.com/connect"
+)
+
+// Observer receives the ground truth of what the simulated fleet did, for a
+// test driver to hold Shepherd's view against. The fleet calls it without
+// holding its lock, from many goroutines at once (heartbeat workers, SSH
+// sessions, provider calls): an implementation must be safe for concurrent
+// use and return quickly, since a slow observer slows the heartbeats. Calls
+// about one machine made by different goroutines may arrive out of order;
+// the times they carry are when things happened.
+type Observer interface {
+	// HeartbeatAcked: the server answered OK to a heartbeat of machine
+	// id's agent (BMDB machine id machineID), sent at sent and answered at
+	// acked; hardware says whether the answer said the hardware report was
+	// recorded (only when one was sent). It is called for every answer the
+	// server gave, also when the agent was stopped (machine rebooted,
+	// killed, taken over again) while the heartbeat was in flight.
+	HeartbeatAcked(id, machineID string, sent, acked time.Time, hardware bool)
+	// HeartbeatRefused: the server answered with an error (code is the
+	// connect code, e.g. connect.CodePermissionDenied). It is not called
+	// for transport failures, timeouts or heartbeats a Partition dropped.
+	HeartbeatRefused(id, machineID string, sent time.Time, code connect.Code)
+	// Rebooted: machine id was really rebooted at the given time (provider
+	// RebootMachine or ReinstallMachine, or Config.RebootCommand run over
+	// SSH); not for failed or hung reboots, and not for the agent's own
+	// reboot after an installation.
+	Rebooted(id string, at time.Time)
+	// AgentStarted: a takeover started an agent for machineID on id (Adopt
+	// does not call it).
+	AgentStarted(id, machineID string, at time.Time)
+}
+
+// RebootFault is what happens to reboots of one machine; see SetRebootFault.
+type RebootFault int
+
+const (
+	// RebootWorks: reboots work (subject to Config.RebootFailureRate).
+	// It is every machine's fault until SetRebootFault says otherwise.
+	RebootWorks RebootFault = iota
+	// RebootFails: a reboot fails and does nothing. RebootMachine and
+	// ReinstallMachine return an error; Config.RebootCommand exits with
+	// status 1 and a line on stderr. Counted in Stats.RebootsFailed.
+	RebootFails
+	// RebootHangs: a reboot never answers and does nothing.
+	// RebootMachine and ReinstallMachine block until their context ends
+	// and return its error, wrapped; Config.RebootCommand never exits, and
+	// its session stays open until the client closes it. Counted in
+	// Stats.RebootsHung.
+	RebootHangs
+)
+
+// String names the fault as its constant does.
+func (r RebootFault) String() string {
+	switch r {
+	case RebootWorks:
+		return "RebootWorks"
+	case RebootFails:
+		return "RebootFails"
+	case RebootHangs:
+		return "RebootHangs"
+	}
+	return fmt.Sprintf("RebootFault(%d)", int(r))
+}
+
+// SetRebootFault sets what happens to machine id's reboots from now on,
+// whichever way they are asked for (the provider's RebootMachine and
+// ReinstallMachine, or Config.RebootCommand over SSH). It belongs to the
+// machine and lasts until it is set again.
+func (f *Fleet) SetRebootFault(id string, fault RebootFault) error {
+	if fault < RebootWorks || fault > RebootHangs {
+		return fmt.Errorf("sim: setting the reboot fault of %s: unknown fault %v", id, fault)
+	}
+	i, err := f.lookup(id)
+	if err != nil {
+		return fmt.Errorf("sim: setting the reboot fault: %w", err)
+	}
+	f.mu.Lock()
+	f.slots[i].rebootFault = uint8(fault)
+	f.mu.Unlock()
+	f.log.Info("reboot fault set", "provider_id", id, "fault", fault.String())
+	return nil
+}
+
+// rebootOutcomeLocked decides what a reboot of slot i asked for now does:
+// the machine's fault, else an injected failure at RebootFailureRate.
+// f.mu must be held.
+func (f *Fleet) rebootOutcomeLocked(i int32) RebootFault {
+	if fault := RebootFault(f.slots[i].rebootFault); fault != RebootWorks {
+		return fault
+	}
+	if f.chance(f.cfg.RebootFailureRate) {
+		return RebootFails
+	}
+	return RebootWorks
+}
+
+// Partition cuts (on) or restores (off) the network between machine id and
+// the callback server. While it is on, the heartbeats of whatever agent
+// runs on the machine are dropped on the way: they never reach the server,
+// and the agent sees each one fail as if the RPC had timed out and retries
+// after its usual backoff (the simulated timeout is added to the wait; no
+// worker waits for it). A heartbeat already in flight when it is turned on
+// is not affected. The partition belongs to the machine, not to its agent:
+// it survives reboots and takeovers until it is turned off. Turning it off
+// lets an agent that is waiting out a dropped heartbeat send at once, as
+// the retransmission of a request reaches the server once the network
+// heals. SSH is not affected.
+func (f *Fleet) Partition(id string, on bool) error {
+	i, err := f.lookup(id)
+	if err != nil {
+		return fmt.Errorf("sim: partitioning: %w", err)
+	}
+	f.mu.Lock()
+	s := &f.slots[i]
+	s.partitioned = on
+	if a := s.agent; !on && a != nil && a.dropped && a.index >= 0 && !a.silenced {
+		f.scheduleLocked(a, f.now())
+	}
+	f.mu.Unlock()
+	f.log.Info("partition", "provider_id", id, "on", on)
+	return nil
+}
+
+// Provision marks slots as machines of ours without taking them over, as
+// the machines of a static inventory are: each becomes used (reachable over
+// SSH, rebootable), with no agent. Provisioning a used slot does nothing.
+// Nothing is provisioned if any id is unknown.
+func (f *Fleet) Provision(ids ...string) error {
+	idx := make([]int32, len(ids))
+	for n, id := range ids {
+		i, err := f.lookup(id)
+		if err != nil {
+			return fmt.Errorf("sim: provisioning: %w", err)
+		}
+		idx[n] = i
+	}
+	f.mu.Lock()
+	for _, i := range idx {
+		if s := &f.slots[i]; !s.used {
+			s.used = true
+			f.stats.Used++
+		}
+	}
+	f.mu.Unlock()
+	return nil
+}
+
+// Agent reports the agent running on machine id: the BMDB machine id it
+// heartbeats as ("" if no agent runs), and whether it is alive: running,
+// not silenced, on a machine that is not killed. A partitioned agent is
+// alive. Unknown ids report "", false.
+func (f *Fleet) Agent(id string) (machineID string, alive bool) {
+	i, ok := f.index(id)
+	if !ok {
+		return "", false
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := &f.slots[i]
+	if s.agent == nil {
+		return "", false
+	}
+	return s.agent.machineID, !s.agent.silenced && !s.killed
+}
+
+// observeRebooted tells the observer, if any, that slot i rebooted at at.
+// f.mu must not be held.
+func (f *Fleet) observeRebooted(i int32, at time.Duration) {
+	if o := f.cfg.Observer; o != nil {
+		o.Rebooted(f.id(i), f.at(at))
+	}
+}
