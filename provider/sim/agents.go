@@ -538,9 +538,8 @@ func (f *Fleet) retryLocked(a *daemon, after time.Duration) time.Duration {
 }
 
 // observeHeartbeat tells the observer, if any, how the server answered
-// req, a's heartbeat sent at sent: OK, or an error the server sent.
-// Transport failures and timeouts are not its business. f.mu must not be
-// held.
+// req, a's heartbeat sent at sent: OK, an error the server sent, or no
+// answer. f.mu must not be held.
 func (f *Fleet) observeHeartbeat(a *daemon, req *agentv1.HeartbeatRequest, sent time.Duration,
 	resp *connect.Response[agentv1.HeartbeatResponse], err error) {
 	o := f.cfg.Observer
@@ -551,6 +550,8 @@ func (f *Fleet) observeHeartbeat(a *daemon, req *agentv1.HeartbeatRequest, sent 
 		o.HeartbeatAcked(f.id(a.slot), a.machineID, f.at(sent), f.at(f.now()), hw)
 	case connect.IsWireError(err):
 		o.HeartbeatRefused(f.id(a.slot), a.machineID, f.at(sent), connect.CodeOf(err))
+	default:
+		o.HeartbeatFailed(f.id(a.slot), a.machineID, f.at(sent))
 	}
 }
 

@@ -26,6 +26,11 @@ type Observer interface {
 	// connect code, e.g. connect.CodePermissionDenied). It is not called
 	// for transport failures, timeouts or heartbeats a Partition dropped.
 	HeartbeatRefused(id, machineID string, sent time.Time, code connect.Code)
+	// HeartbeatFailed: the heartbeat got no answer from the server (a
+	// transport failure or a timeout), so the server may or may not have
+	// recorded it. Not called for heartbeats a Partition dropped, which
+	// never left the machine.
+	HeartbeatFailed(id, machineID string, sent time.Time)
 	// Rebooted: machine id was really rebooted at the given time (provider
 	// RebootMachine or ReinstallMachine, or Config.RebootCommand run over
 	// SSH); not for failed or hung reboots, and not for the agent's own

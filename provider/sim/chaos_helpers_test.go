@@ -115,6 +115,7 @@ type recorder struct {
 	mu       sync.Mutex
 	acked    []acked
 	refused  []refused
+	failed   []failedHB
 	rebooted []rebooted
 	started  []started
 }
@@ -129,6 +130,11 @@ type refused struct {
 	id, machine string
 	sent        time.Time
 	code        connect.Code
+}
+
+type failedHB struct {
+	id, machine string
+	sent        time.Time
 }
 
 type rebooted struct {
@@ -153,6 +159,25 @@ func (r *recorder) HeartbeatRefused(id, machineID string, sent time.Time, code c
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.refused = append(r.refused, refused{id, machineID, sent, code})
+}
+
+func (r *recorder) HeartbeatFailed(id, machineID string, sent time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.failed = append(r.failed, failedHB{id, machineID, sent})
+}
+
+// failures returns the unanswered heartbeats of machine id.
+func (r *recorder) failures(id string) []failedHB {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []failedHB
+	for _, f := range r.failed {
+		if f.id == id {
+			out = append(out, f)
+		}
+	}
+	return out
 }
 
 func (r *recorder) Rebooted(id string, at time.Time) {

@@ -631,4 +631,10 @@ func TestObserverRefused(t *testing.T) {
 			t.Errorf("HeartbeatRefused(%+v) for a transport failure", r)
 		}
 	}
+	if got := rec.failures(unreachable); len(got) < 3 || got[0].sent.IsZero() {
+		t.Errorf("HeartbeatFailed calls %+v for heartbeats to a dead server, want one per failure", got)
+	}
+	if got := rec.failures(refusedID); len(got) != 0 {
+		t.Errorf("HeartbeatFailed calls %+v for refused heartbeats, want none", got)
+	}
 }
