@@ -18,7 +18,7 @@ PROTOC_GEN_CONNECT_GO := $(TOOLS)/protoc-gen-connect-go-$(PROTOC_GEN_CONNECT_GO_
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool
+.PHONY: all build test chaos fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool
 
 all: build
 
@@ -57,8 +57,16 @@ FUZZ_TARGETS := \
 # sshd is installed first, so the SSH end-to-end tests must use it: a
 # missing sshd fails them rather than falling back to the in-process server.
 test: require-postgres require-sshd require-chromium require-promtool
-	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 ./...
+	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 -timeout 20m ./...
 	$(MAKE) --no-print-directory fuzz
+
+# The randomized fault soak (package chaos): CHAOS_DURATION of faults
+# (default 5m), then every invariant checked; CHAOS_SEED replays a run.
+# `make test` runs a short soak of its own.
+CHAOS_DURATION ?= 5m
+chaos: require-postgres require-sshd
+	CHAOS_DURATION=$(CHAOS_DURATION) CHAOS_SEED=$(CHAOS_SEED) SHEPHERD_REQUIRE_SSHD=1 \
+		$(GO) test -count=1 -v -timeout 0 -run '^TestChaos$$' ./chaos
 
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \

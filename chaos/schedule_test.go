@@ -1,0 +1,69 @@
+package chaos
+
+import (
+	"reflect"
+	"testing"
+	"time"
+)
+
+var testShape = Shape{Processes: 3, Servers: 2, SimMachines: 500, Racks: 5, RealHosts: 3, Lease: 10 * time.Second}
+
+func TestScheduleReplays(t *testing.T) {
+	a, b := Schedule(42, 10*time.Minute, testShape), Schedule(42, 10*time.Minute, testShape)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("the same seed gave two schedules")
+	}
+	if c := Schedule(43, 10*time.Minute, testShape); reflect.DeepEqual(a, c) {
+		t.Fatal("seeds 42 and 43 gave the same schedule")
+	}
+}
+
+func TestScheduleCoversEveryFault(t *testing.T) {
+	d := 10 * time.Minute
+	faults := Schedule(7, d, testShape)
+	seen := map[Kind]int{}
+	var lastDB time.Duration = -time.Hour
+	for i, f := range faults {
+		seen[f.Kind]++
+		if i > 0 && f.At < faults[i-1].At {
+			t.Fatalf("fault %d (%s) before fault %d", i, f, i-1)
+		}
+		if f.At < 0 || f.At+f.For > d {
+			t.Errorf("%s: outside the %s phase", f, d)
+		}
+		switch f.Kind {
+		case StopProcess:
+			if f.For <= testShape.Lease {
+				t.Errorf("%s: a stop must outlast the lease of %s", f, testShape.Lease)
+			}
+		case RestartPostgres, FailoverPostgres:
+			if f.At-lastDB < 30*time.Second {
+				t.Errorf("%s: %s after the previous restart or failover", f, f.At-lastDB)
+			}
+			lastDB = f.At
+		}
+		for _, m := range f.Machines {
+			if m < 0 || m >= testShape.SimMachines {
+				t.Errorf("%s: machine %d outside the fleet", f, m)
+			}
+		}
+	}
+	for _, r := range rates {
+		if seen[r.kind] == 0 {
+			t.Errorf("no %s in ten minutes (seen %v)", r.kind, seen)
+		}
+	}
+	if n := len(faults); n < 200 {
+		t.Errorf("%d faults in ten minutes, want a few hundred", n)
+	}
+}
+
+func TestScheduleWithoutRealHosts(t *testing.T) {
+	s := testShape
+	s.RealHosts = 0
+	for _, f := range Schedule(1, 10*time.Minute, s) {
+		if f.Kind == RealAgentKill || f.Kind == HostKeyRotation {
+			t.Fatalf("%s scheduled without real hosts", f)
+		}
+	}
+}
