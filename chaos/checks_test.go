@@ -60,8 +60,8 @@ func (s *soak) checkBudget(ctx context.Context, pool *pgxpool.Pool) []string {
 	rows, err := pool.Query(ctx, `
 		SELECT a.admitted_at, (SELECT count(*) FROM recovery_admissions b
 		                       WHERE b.provider = a.provider AND b.reached
-		                         AND b.admitted_at > a.admitted_at - $2::interval AND b.admitted_at <= a.admitted_at)
-		FROM recovery_admissions a WHERE a.provider = $1 AND a.reached`, providerName, rebootWindow.String())
+		                         AND b.admitted_at > a.admitted_at - interval '1 millisecond' * $2 AND b.admitted_at <= a.admitted_at)
+		FROM recovery_admissions a WHERE a.provider = $1 AND a.reached`, providerName, rebootWindow.Milliseconds())
 	if err != nil {
 		return []string{err.Error()}
 	}
@@ -99,7 +99,7 @@ func (s *soak) checkHeld(ctx context.Context, pool *pgxpool.Pool) []string {
 		SELECT p.provider_id, e.process, e.next_event, e.next_at - e.at
 		FROM ends e JOIN machine_provided p USING (machine_id)
 		WHERE e.event = 'Started' AND e.next_event IN ('Finished', 'Failed', 'Canceled')
-		  AND e.next_session = e.session_id AND e.next_at - e.at > $1::interval`, bound.String())
+		  AND e.next_session = e.session_id AND e.next_at - e.at > interval '1 millisecond' * $1`, bound.Milliseconds())
 	if err != nil {
 		return append(out, err.Error())
 	}

@@ -458,8 +458,8 @@ func (s *soak) sampleWork(ctx context.Context) {
 		rows, err := conn.Query(qctx, `
 			SELECT p.provider_id, w.process, w.session_id::text, w.started_at, now() - w.started_at
 			FROM work w JOIN sessions s USING (session_id) JOIN machine_provided p USING (machine_id)
-			WHERE s.closed_at IS NULL AND s.deadline > now() AND w.started_at < now() - $1::interval`,
-			bound.String())
+			WHERE s.closed_at IS NULL AND s.deadline > now() AND w.started_at < now() - interval '1 millisecond' * $1`,
+			bound.Milliseconds())
 		if err == nil {
 			for rows.Next() {
 				var id, process, session string
