@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"fmt"
 	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -19,8 +18,8 @@ import (
 )
 
 // failoverCluster starts a primary whose commits wait for a synchronous
-// standby (synchronous_commit=on, synchronous_standby_names naming it) and
-// that standby, and returns both once the standby streams synchronously.
+// standby and that standby (pgserver.StartSyncPair), closed when the test
+// ends.
 func failoverCluster(t *testing.T) (primary, standby *pgserver.Server) {
 	t.Helper()
 	parent, err := os.MkdirTemp("", "shepherd-failover-")
@@ -36,39 +35,17 @@ func failoverCluster(t *testing.T) (primary, standby *pgserver.Server) {
 			t.Error(err)
 		}
 	})
-	closeOnCleanup := func(s *pgserver.Server) {
+	primary, standby, err = pgserver.StartSyncPair(t.Context(), parent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*pgserver.Server{primary, standby} {
 		t.Cleanup(func() {
 			if err := s.Close(); err != nil {
 				t.Error(err)
 			}
 		})
 	}
-	primary, err = pgserver.Start(t.Context(), pgserver.Config{
-		Dir: filepath.Join(parent, "primary"),
-		Settings: map[string]string{
-			"synchronous_commit":        "on",
-			"synchronous_standby_names": "standby",
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeOnCleanup(primary)
-	standby, err = pgserver.StartStandby(t.Context(), primary, pgserver.Config{Dir: filepath.Join(parent, "standby")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeOnCleanup(standby)
-	waitUntil(t, 30*time.Second, "standby streams synchronously", func(ctx context.Context) (bool, error) {
-		conn, err := pgx.Connect(ctx, primary.URL(""))
-		if err != nil {
-			return false, err
-		}
-		defer conn.Close(context.WithoutCancel(ctx))
-		var n int
-		err = conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_replication WHERE application_name = 'standby' AND sync_state = 'sync'").Scan(&n)
-		return n == 1, err
-	})
 	return primary, standby
 }
 
@@ -167,7 +144,8 @@ func writeLoop(ctx context.Context, db *bmdb.DB, s *bmdb.Session, a *acked) {
 }
 
 // TestFailover runs the BMDB against a primary with a synchronous standby
-// through a multi-host connection string, loses the primary (immediate
+// through a multi-host postgres:// URL over TCP (host1:port1,host2:port2,
+// target_session_attrs=read-write; e2e tests the keyword form), loses the primary (immediate
 // stop) mid-run, promotes the standby, and checks that the same *bmdb.DB
 // carries on by itself: a session KeepSession lost during the outage is
 // re-created, writes succeed again, and every write acknowledged before the
@@ -175,7 +153,7 @@ func writeLoop(ctx context.Context, db *bmdb.DB, s *bmdb.Session, a *acked) {
 func TestFailover(t *testing.T) {
 	began := time.Now()
 	primary, standby := failoverCluster(t)
-	dsn := pgserver.MultiHostDSN("", primary, standby)
+	dsn := pgserver.MultiHostURL("", primary, standby)
 	db, err := bmdb.Open(t.Context(), bmdb.Config{URL: dsn})
 	if err != nil {
 		t.Fatal(err)

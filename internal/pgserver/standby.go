@@ -24,14 +24,17 @@ const promoteTimeout = 60 * time.Second
 // over its unix socket from then on (hot standby: it accepts read-only
 // connections). An existing cluster in cfg.Dir is reused as is.
 //
-// The standby reports cfg's "cluster_name" setting (default "standby") as
+// The standby reports cfg's "cluster_name" setting (default DefaultStandbyName) as
 // its application_name to the primary, so the primary can name it in
 // synchronous_standby_names for synchronous replication. cfg.User and
 // cfg.BinDir default to the primary's; a different User is rejected, since
 // the backup carries the primary's roles. Settings of the primary are not
 // copied (they are command-line options): a standby meant to be promoted
 // should not get the primary's synchronous_standby_names, or its commits
-// would wait for a standby it does not have.
+// would wait for a standby it does not have; for the same reason a
+// synchronous_standby_names the primary got from ALTER SYSTEM (see
+// SetSynchronousStandby) is removed from the standby's copy of
+// postgresql.auto.conf.
 func StartStandby(ctx context.Context, primary *Server, cfg Config) (*Server, error) {
 	if cfg.User == "" {
 		cfg.User = primary.user
@@ -51,7 +54,7 @@ func StartStandby(ctx context.Context, primary *Server, cfg Config) (*Server, er
 		for k, v := range cfg.Settings {
 			settings[k] = v
 		}
-		settings["cluster_name"] = "standby"
+		settings["cluster_name"] = DefaultStandbyName
 		cfg.Settings = settings
 	}
 	s, err := start(ctx, cfg, freePort, func(s *Server, ctx context.Context) error {
@@ -93,6 +96,10 @@ func (s *Server) baseBackup(ctx context.Context, primary *Server) error {
 		return err
 	}
 	s.log.Debug("pg_basebackup finished", "data", s.dataDir, "duration", time.Since(began))
+	if err := dropSyncStandbyNames(filepath.Join(scratch, "postgresql.auto.conf")); err != nil {
+		_ = os.RemoveAll(scratch)
+		return err
+	}
 	if err := os.Rename(scratch, s.dataDir); err != nil {
 		_ = os.RemoveAll(scratch)
 		return fmt.Errorf("moving the base backup into place: %w", err)
