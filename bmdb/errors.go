@@ -108,3 +108,56 @@ func outcomeUnknown(err error) bool {
 	}
 	return !pgconn.SafeToRetry(err)
 }
+
+// RetryOpen reports whether an error of Open may go away by itself, so that
+// a long-running process should try again instead of exiting: no server
+// answered, the servers were starting, shutting down or read-only (a
+// failover under way), or a connection broke. A refused login, a database
+// that does not exist, a bad URL or a schema newer than this binary are
+// configuration errors: they are not.
+func RetryOpen(err error) bool {
+	if err == nil {
+		return false
+	}
+	// A multi-host URL joins one error per host: any host refusing the
+	// login or the database name is the operator's to fix.
+	var permanent, transient bool
+	walkErrors(err, func(e error) {
+		pgErr, ok := e.(*pgconn.PgError)
+		if !ok {
+			return
+		}
+		switch {
+		case strings.HasPrefix(pgErr.Code, "28"), pgErr.Code == "3D000":
+			permanent = true
+		case pgErr.Code == "57P03", pgErr.Code == "25006", strings.HasPrefix(pgErr.Code, "08"),
+			pgErr.Code == "57P01", pgErr.Code == "57P02":
+			// Cannot connect now (starting, shutting down), read-only
+			// transaction, connection exceptions, terminated by an
+			// administrator or a crash.
+			transient = true
+		}
+	})
+	if permanent {
+		return false
+	}
+	var connErr *pgconn.ConnectError
+	return transient || errors.As(err, &connErr) || Unavailable(err)
+}
+
+// walkErrors calls fn on err and everything it wraps, joined errors
+// included.
+func walkErrors(err error, fn func(error)) {
+	if err == nil {
+		return
+	}
+	fn(err)
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		walkErrors(u.Unwrap(), fn)
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			walkErrors(e, fn)
+		}
+	}
+}

@@ -159,21 +159,12 @@ func (s *soak) startPostgres(ctx context.Context) {
 		t.Fatal(err)
 	}
 	var err error
-	s.primary, err = pgserver.Start(ctx, pgserver.Config{
-		Dir: filepath.Join(pgDir, "a"), TCP: true, Durable: true,
-		// Synchronous once the standby runs (newStandby names it): the
-		// BMDB is created before there is one.
-		Settings: map[string]string{"synchronous_commit": "on", "max_connections": "300"},
-	})
+	s.primary, s.standby, err = pgserver.StartSyncPair(ctx, pgDir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.closePostgres() })
 	if err := s.createDatabase(ctx); err != nil {
-		t.Fatal(err)
-	}
-	s.standby, err = s.newStandby(ctx)
-	if err != nil {
 		t.Fatal(err)
 	}
 	for i, srv := range []*pgserver.Server{s.primary, s.standby} {
@@ -208,49 +199,23 @@ func (s *soak) createDatabase(ctx context.Context) error {
 }
 
 // newStandby builds a synchronous standby of the primary and waits until
-// the primary's commits wait for it. s.pgMu must be held or the soak not
-// started.
+// the primary's commits wait for it. s.pgMu must be held.
 func (s *soak) newStandby(ctx context.Context) (*pgserver.Server, error) {
 	s.pgGen++
 	sb, err := pgserver.StartStandby(ctx, s.primary, pgserver.Config{
-		Dir: filepath.Join(s.dir, "pg", fmt.Sprintf("standby-%d", s.pgGen)), TCP: true, Durable: true,
-		Settings: map[string]string{"max_connections": "300"},
+		Dir: filepath.Join(s.dir, "pg", fmt.Sprintf("standby-%d", s.pgGen)), TCP: true,
+		Settings: map[string]string{"synchronous_commit": "on"},
 	})
 	if err != nil {
 		return nil, err
 	}
-	conn, err := pgx.Connect(ctx, s.primary.TCPURL("postgres"))
-	if err != nil {
-		sb.Close()
-		return nil, fmt.Errorf("connecting to the primary: %w", err)
+	if err := s.primary.SetSynchronousStandby(ctx, pgserver.DefaultStandbyName); err != nil {
+		return nil, errors.Join(err, sb.Close())
 	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = 'standby'"); err != nil {
-		sb.Close()
-		return nil, fmt.Errorf("naming the synchronous standby: %w", err)
+	if err := s.primary.WaitSynchronous(ctx, pgserver.DefaultStandbyName); err != nil {
+		return nil, errors.Join(err, sb.Close())
 	}
-	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
-		sb.Close()
-		return nil, fmt.Errorf("reloading the primary's configuration: %w", err)
-	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		var n int
-		err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_replication WHERE application_name = 'standby' AND sync_state = 'sync'").Scan(&n)
-		if err == nil && n == 1 {
-			return sb, nil
-		}
-		if time.Now().After(deadline) {
-			sb.Close()
-			return nil, fmt.Errorf("the new standby is not synchronous after a minute (err %v)", err)
-		}
-		select {
-		case <-ctx.Done():
-			sb.Close()
-			return nil, ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+	return sb, nil
 }
 
 // startFleet starts the simulated machines, each with its own SSH server

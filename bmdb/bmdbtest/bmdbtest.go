@@ -243,29 +243,8 @@ func NewWithConfig(t testing.TB, cfg bmdb.Config) *DB {
 // DB.Pool still connects directly. The proxy is closed when the test ends.
 func NewBehindProxy(t testing.TB, cfg bmdb.Config) (*DB, *tcpproxy.Proxy) {
 	t.Helper()
-	direct := NewDatabase(t)
-	u, err := url.Parse(direct)
-	if err != nil {
-		t.Fatal(err)
-	}
-	target := u.Host
-	if shared.server != nil {
-		target = fmt.Sprintf("127.0.0.1:%d", shared.server.Port())
-	}
-	if target == "" {
-		t.Fatalf("bmdbtest: %s connects over a unix socket; a proxy needs TCP", EnvDatabaseURL)
-	}
-	proxy, err := tcpproxy.Start(target)
-	if err != nil {
-		t.Fatal(err)
-	}
-	via := *u
-	via.Host = proxy.Addr()
-	q := via.Query()
-	q.Del("host")
-	q.Del("port")
-	via.RawQuery = q.Encode()
-	cfg.URL = via.String()
+	direct, via, proxy := newProxiedDatabase(t)
+	cfg.URL = via
 	db, err := bmdb.Open(t.Context(), cfg)
 	if err != nil {
 		proxy.Close()
@@ -277,10 +256,47 @@ func NewBehindProxy(t testing.TB, cfg bmdb.Config) (*DB, *tcpproxy.Proxy) {
 	}
 	t.Cleanup(func() {
 		pool.Close()
-		proxy.Close()
 		db.Close()
 	})
 	return &DB{DB: db, URL: direct, Pool: pool}, proxy
+}
+
+// NewProxiedDatabase creates a fresh migrated database, like NewDatabase,
+// and returns its URL through a TCP proxy the test controls, for tests that
+// open it themselves (a command's own start-up). The proxy is closed when
+// the test ends.
+func NewProxiedDatabase(t testing.TB) (string, *tcpproxy.Proxy) {
+	t.Helper()
+	_, via, proxy := newProxiedDatabase(t)
+	return via, proxy
+}
+
+func newProxiedDatabase(t testing.TB) (direct, via string, proxy *tcpproxy.Proxy) {
+	t.Helper()
+	direct = NewDatabase(t)
+	u, err := url.Parse(direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := u.Host
+	if shared.server != nil {
+		target = fmt.Sprintf("127.0.0.1:%d", shared.server.Port())
+	}
+	if target == "" {
+		t.Fatalf("bmdbtest: %s connects over a unix socket; a proxy needs TCP", EnvDatabaseURL)
+	}
+	proxy, err = tcpproxy.Start(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proxy.Close() })
+	v := *u
+	v.Host = proxy.Addr()
+	q := v.Query()
+	q.Del("host")
+	q.Del("port")
+	v.RawQuery = q.Encode()
+	return direct, v.String(), proxy
 }
 
 // Exec runs a statement on the test's database and fails the test on error.

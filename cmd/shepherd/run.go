@@ -229,9 +229,35 @@ func reloadOnHangup(ctx context.Context, hup <-chan os.Signal, p provider.Provid
 // the BMDB client's metrics (sessions, transactions, work; SPEC §6) are
 // registered on reg, which they serve on /metrics, and its events (lost
 // sessions, retried transactions) are logged to log.
+//
+// A database that cannot be reached now (down, starting, read-only while a
+// failover is under way, a network fault) is waited for, with pauses
+// growing from openRetryFirst to openRetryMax, until ctx ends: a process
+// started, or restarted by its supervisor, during a database outage comes
+// up when the database does, as the running ones carry on. Configuration
+// errors (bmdb.RetryOpen) end it at once.
 func (f *databaseFlags) openObserved(ctx context.Context, reg prometheus.Registerer, log *slog.Logger) (*bmdb.DB, error) {
-	return f.openConfig(ctx, bmdb.Config{Schema: bmdb.SchemaMigrate, Registerer: reg, Logger: log})
+	pause := openRetryFirst
+	for {
+		d, err := f.openConfig(ctx, bmdb.Config{Schema: bmdb.SchemaMigrate, Registerer: reg, Logger: log})
+		if err == nil || !bmdb.RetryOpen(err) || ctx.Err() != nil {
+			return d, err
+		}
+		log.WarnContext(ctx, "the database cannot be reached; waiting for it", "retry_in", pause, "err", err)
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for the database: %w (last error: %w)", ctx.Err(), err)
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, openRetryMax)
+	}
 }
+
+// The pauses between attempts to open an unreachable database.
+const (
+	openRetryFirst = time.Second
+	openRetryMax   = 30 * time.Second
+)
 
 // defaultAgentPath is shepherd-agent next to the running binary.
 func defaultAgentPath() string {
