@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -103,6 +104,7 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	stopFaults()
 	s.healAll()
 	faultPhase := time.Since(began)
+	healed := time.Now()
 	s.logf("every fault healed after %s", faultPhase.Round(time.Millisecond))
 
 	var report strings.Builder
@@ -118,9 +120,9 @@ func runSoak(t *testing.T, cfg config, bins string) {
 
 	// I5 first: the other checks read a fleet at rest.
 	var unhealthy []string
-	healTime, herr := s.waitAllHealthy(ctx, cfg.healBound)
+	healTime, herr := s.waitAllHealthy(ctx, cfg.healBound, healed)
 	if herr != nil {
-		unhealthy = s.unhealthyMachines(ctx)
+		unhealthy = s.unhealthyMachines(ctx, healed)
 	}
 	stopSampling()
 	<-done
@@ -180,15 +182,20 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	}
 }
 
-// waitAllHealthy waits until every machine is Healthy and returns how long
-// that took, or an error after bound.
-func (s *soak) waitAllHealthy(ctx context.Context, bound time.Duration) (time.Duration, error) {
+// waitAllHealthy waits until every machine is Healthy with a heartbeat
+// recorded after since (while heartbeats cannot be recorded, no machine is
+// called Silent, so the state alone could hide a fleet nobody hears), and
+// returns how long that took, or an error after bound.
+func (s *soak) waitAllHealthy(ctx context.Context, bound time.Duration, since time.Time) (time.Duration, error) {
 	start := time.Now()
 	for {
 		st, err := s.states(ctx)
-		if err == nil && st["Healthy"] == int64(s.cfg.machines+s.cfg.realHosts) && len(st) == 1 {
+		heard, herr := s.heardSince(ctx, since)
+		if err == nil && herr == nil && st["Healthy"] == int64(s.cfg.machines+s.cfg.realHosts) && len(st) == 1 &&
+			heard == s.cfg.machines+s.cfg.realHosts {
 			return time.Since(start), nil
 		}
+		err = errors.Join(err, herr)
 		if time.Since(start) > bound {
 			return time.Since(start), fmt.Errorf("states %v (err %v)", st, err)
 		}
@@ -199,26 +206,43 @@ func (s *soak) waitAllHealthy(ctx context.Context, bound time.Duration) (time.Du
 	}
 }
 
-func (s *soak) unhealthyMachines(ctx context.Context) []string {
+// heardSince counts the machines with a heartbeat recorded after since.
+func (s *soak) heardSince(ctx context.Context, since time.Time) (int, error) {
+	conn, err := pgx.Connect(ctx, s.directURL())
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
+		WHERE p.provider = $1 AND h.agent_heartbeat_at > $2`, providerName, since).Scan(&n)
+	return n, err
+}
+
+func (s *soak) unhealthyMachines(ctx context.Context, since time.Time) []string {
 	conn, err := pgx.Connect(ctx, s.directURL())
 	if err != nil {
 		return []string{err.Error()}
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	rows, err := conn.Query(ctx, "SELECT provider_id, state, agent_phase FROM machine_states($1, $2) WHERE state <> 'Healthy' ORDER BY provider_id",
-		firstHeartbeatTimeout.Milliseconds(), heartbeatTimeout.Milliseconds())
+	rows, err := conn.Query(ctx, `
+		SELECT m.provider_id, m.state, m.agent_phase, coalesce(to_char(h.agent_heartbeat_at, 'HH24:MI:SS.MS'), 'none')
+		FROM machine_states($1, $2) m LEFT JOIN machine_agent_heartbeat h USING (machine_id)
+		WHERE m.state <> 'Healthy' OR h.agent_heartbeat_at IS NULL OR h.agent_heartbeat_at <= $3
+		ORDER BY m.provider_id`,
+		firstHeartbeatTimeout.Milliseconds(), heartbeatTimeout.Milliseconds(), since)
 	if err != nil {
 		return []string{err.Error()}
 	}
 	defer rows.Close()
 	var out []string
 	for rows.Next() {
-		var id, st, phase string
-		if err := rows.Scan(&id, &st, &phase); err != nil {
+		var id, st, phase, hb string
+		if err := rows.Scan(&id, &st, &phase, &hb); err != nil {
 			return append(out, err.Error())
 		}
 		s.involve(id)
-		out = append(out, fmt.Sprintf("%s: %s (agent phase %s)", id, st, phase))
+		out = append(out, fmt.Sprintf("%s: %s (agent phase %s, last heartbeat %s)", id, st, phase, hb))
 	}
 	return out
 }

@@ -87,6 +87,7 @@ type proc struct {
 	done    chan struct{}
 	killed  bool // we killed it: its exit is expected
 	stopped bool // SIGSTOPped by us
+	closed  bool // terminated for good: never restarted
 	crashes []string
 }
 
@@ -365,6 +366,11 @@ func freeAddr(t testing.TB) string {
 func (p *proc) start() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.startLocked()
+}
+
+// startLocked starts the process; p.mu must be held.
+func (p *proc) startLocked() error {
 	cmd := exec.Command(p.bin, p.args...)
 	cmd.Stdout, cmd.Stderr = p.logf, p.logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -376,13 +382,24 @@ func (p *proc) start() error {
 	go func() {
 		err := cmd.Wait()
 		p.mu.Lock()
-		if !p.killed {
+		crashed := !p.killed
+		if crashed {
 			// Nobody asked it to go: a crash, or an exit on an error it
-			// should have lived through.
+			// should have lived through. It counts as a violation; like a
+			// supervisor, the soak starts it again so the run goes on.
 			p.crashes = append(p.crashes, fmt.Sprintf("%s exited on its own at %s: %v", p.name, time.Now().Format("15:04:05.000"), err))
 		}
 		p.mu.Unlock()
 		close(done)
+		if crashed {
+			time.AfterFunc(2*time.Second, func() {
+				p.mu.Lock()
+				defer p.mu.Unlock()
+				if p.done == done && !p.closed {
+					_ = p.startLocked()
+				}
+			})
+		}
 	}()
 	return nil
 }
@@ -432,7 +449,7 @@ func (p *proc) signal(sig syscall.Signal) bool {
 func (p *proc) terminate() {
 	p.signal(syscall.SIGCONT)
 	p.mu.Lock()
-	p.killed = true
+	p.killed, p.closed = true, true
 	cmd, done := p.cmd, p.done
 	p.mu.Unlock()
 	_ = cmd.Process.Signal(syscall.SIGTERM)
@@ -448,10 +465,14 @@ func (p *proc) terminate() {
 // is stopped (the end of every fault).
 func (p *proc) ensureRunning() error {
 	p.signal(syscall.SIGCONT)
-	if p.running() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	select {
+	case <-p.done:
+		return p.startLocked()
+	default:
 		return nil
 	}
-	return p.start()
 }
 
 // stopRealAgents ends the real agents started under dir.
