@@ -200,19 +200,95 @@ func Schedule(seed int64, d time.Duration, s Shape) []Fault {
 		}
 	}
 	slices.SortStableFunc(out, func(a, b Fault) int { return cmp.Compare(a.At, b.At) })
-	// A restart or failover needs the last one's standby rebuilt (about
-	// ten seconds): drop those closer than failoverGap to the previous.
-	const failoverGap = 30 * time.Second
-	last := -failoverGap
+	// A failover needs the standby the last one rebuilt (about ten
+	// seconds), a restart only a running primary: drop what comes too soon.
+	var last *Fault
 	kept := out[:0]
 	for _, f := range out {
 		if f.Kind == RestartPostgres || f.Kind == FailoverPostgres {
-			if f.At-last < failoverGap {
+			gap := restartGap
+			if last != nil && last.Kind == FailoverPostgres {
+				gap = failoverGap
+			}
+			if last != nil && f.At-last.At < gap {
 				continue
 			}
-			last = f.At
+			last = &f
 		}
 		kept = append(kept, f)
 	}
+	// Every kind at least once, however short the phase: a run that never
+	// fails over tests nothing about failover. A restart or failover goes
+	// where it keeps its distance from the others.
+	// The failover first: it needs the most room.
+	order := slices.Clone(rates)
+	slices.SortStableFunc(order, func(a, b rate) int {
+		return cmp.Compare(b2i(a.kind != FailoverPostgres), b2i(b.kind != FailoverPostgres))
+	})
+	for _, k := range order {
+		if (k.kind == RealAgentKill || k.kind == HostKeyRotation) && s.RealHosts == 0 ||
+			slices.ContainsFunc(kept, func(f Fault) bool { return f.Kind == k.kind }) {
+			continue
+		}
+		for range 1000 {
+			f := Fault{At: time.Duration(r.Int64N(int64(d) * 3 / 4)), Kind: k.kind}
+			switch f.Kind {
+			case FailoverPostgres:
+				// Late, leaving the early part to a restart.
+				f.At = d/2 + time.Duration(r.Int64N(int64(max(d/2-3*time.Second, time.Second))))
+			case RestartPostgres:
+				f.At = time.Duration(r.Int64N(int64(max(d-3*time.Second, time.Second))))
+			}
+			k.draw(r, s, &f)
+			if f.Kind == StopProcess && f.At+f.For > d {
+				f.At = max(0, d-f.For)
+			}
+			f.For = min(f.For, d-f.At)
+			if f.Kind == FailoverPostgres {
+				// It makes room: restarts too close to it go.
+				kept = slices.DeleteFunc(kept, func(o Fault) bool { return o.Kind == RestartPostgres && !fitsDB([]Fault{o}, f) })
+			}
+			if (f.Kind == RestartPostgres || f.Kind == FailoverPostgres) && !fitsDB(kept, f) {
+				continue
+			}
+			kept = append(kept, f)
+			break
+		}
+	}
+	slices.SortStableFunc(kept, func(a, b Fault) int { return cmp.Compare(a.At, b.At) })
 	return kept
+}
+
+// fitsDB reports whether restart or failover f keeps its distance from
+// those of out: restartGap after a restart, failoverGap after a failover.
+func fitsDB(out []Fault, f Fault) bool {
+	gap := func(first Fault) time.Duration {
+		if first.Kind == FailoverPostgres {
+			return failoverGap
+		}
+		return restartGap
+	}
+	return !slices.ContainsFunc(out, func(o Fault) bool {
+		if o.Kind != RestartPostgres && o.Kind != FailoverPostgres {
+			return false
+		}
+		if o.At <= f.At {
+			return f.At-o.At < gap(o)
+		}
+		return o.At-f.At < gap(f)
+	})
+}
+
+// The least time between PostgreSQL restarts and failovers, after a
+// restart and after a failover.
+const (
+	restartGap  = 10 * time.Second
+	failoverGap = 30 * time.Second
+)
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

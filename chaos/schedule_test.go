@@ -37,7 +37,7 @@ func TestScheduleCoversEveryFault(t *testing.T) {
 				t.Errorf("%s: a stop must outlast the lease of %s", f, testShape.Lease)
 			}
 		case RestartPostgres, FailoverPostgres:
-			if f.At-lastDB < 30*time.Second {
+			if f.At-lastDB < restartGap {
 				t.Errorf("%s: %s after the previous restart or failover", f, f.At-lastDB)
 			}
 			lastDB = f.At
@@ -64,6 +64,20 @@ func TestScheduleWithoutRealHosts(t *testing.T) {
 	for _, f := range Schedule(1, 10*time.Minute, s) {
 		if f.Kind == RealAgentKill || f.Kind == HostKeyRotation {
 			t.Fatalf("%s scheduled without real hosts", f)
+		}
+	}
+}
+
+func TestShortScheduleHasEveryFault(t *testing.T) {
+	for seed := range int64(50) {
+		seen := map[Kind]bool{}
+		for _, f := range Schedule(seed, 45*time.Second, testShape) {
+			seen[f.Kind] = true
+		}
+		for _, r := range rates {
+			if !seen[r.kind] {
+				t.Errorf("seed %d: no %s in a 45 s schedule", seed, r.kind)
+			}
 		}
 	}
 }
