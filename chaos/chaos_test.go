@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -87,7 +88,7 @@ func runSoak(t *testing.T, cfg config, bins string) {
 		}
 	})
 	s := &soak{t: t, cfg: cfg, dir: dir, bins: bins}
-	s.rec.applied, s.rec.skipped, s.rec.involved = map[Kind]int{}, map[Kind]int{}, map[string]bool{}
+	s.rec.applied, s.rec.skipped, s.rec.involved, s.rec.lostSeen = map[Kind]int{}, map[Kind]int{}, map[string]bool{}, map[string]bool{}
 	ctx := t.Context()
 	s.start(ctx)
 	faults := Schedule(cfg.seed, cfg.duration, Shape{
@@ -97,7 +98,13 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	s.logf("schedule of %d faults, seed %d", len(faults), cfg.seed)
 	sctx, stopSampling := context.WithCancel(ctx)
 	done := make(chan struct{})
-	go func() { defer close(done); s.sampleWork(sctx) }()
+	go func() {
+		defer close(done)
+		var wg sync.WaitGroup
+		wg.Go(func() { s.sampleAcks(sctx) })
+		s.sampleWork(sctx)
+		wg.Wait()
+	}()
 	began := time.Now()
 	fctx, stopFaults := context.WithTimeout(ctx, cfg.duration+time.Minute)
 	s.runFaults(fctx, faults)
