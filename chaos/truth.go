@@ -194,3 +194,18 @@ func (m MachineTruth) Explains(at time.Time) bool {
 // answer may still be recorded: the agent's RPC timeout and the server's
 // time to commit a batch, with room.
 const unansweredBound = 30 * time.Second
+
+// Counts sums the record over every machine, for the soak's report: checks
+// that found nothing had this much to look at.
+func (t *Truth) Counts() (acks, refusals, failures, reboots, starts int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, m := range t.machines {
+		acks += len(m.Acks)
+		refusals += len(m.Refusals)
+		failures += len(m.Failures)
+		reboots += len(m.Reboots)
+		starts += len(m.Starts)
+	}
+	return acks, refusals, failures, reboots, starts
+}
