@@ -88,7 +88,7 @@ func runSoak(t *testing.T, cfg config, bins string) {
 		}
 	})
 	s := &soak{t: t, cfg: cfg, dir: dir, bins: bins}
-	s.rec.applied, s.rec.skipped, s.rec.involved, s.rec.lostSeen = map[Kind]int{}, map[Kind]int{}, map[string]bool{}, map[string]bool{}
+	s.rec.applied, s.rec.skipped, s.rec.lostSeen = map[Kind]int{}, map[Kind]int{}, map[string]bool{}
 	ctx := t.Context()
 	s.start(ctx)
 	faults := Schedule(cfg.seed, cfg.duration, Shape{
@@ -195,7 +195,7 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	if violations > 0 {
 		t.Errorf("chaos: %d violations with seed %d (replay: CHAOS_SEED=%d CHAOS_DURATION=%s make chaos)\n%s",
 			violations, cfg.seed, cfg.seed, cfg.duration, report.String())
-		s.printHistories(ctx, pool)
+		s.printHistories(ctx, pool, report.String())
 		for _, p := range s.procs {
 			t.Logf("%s log tail:\n%s", p.name, tail(p.logf.Name(), 40))
 		}
@@ -262,7 +262,6 @@ func (s *soak) unhealthyMachines(ctx context.Context, since time.Time) []string 
 		if err := rows.Scan(&id, &st, &phase, &hb); err != nil {
 			return append(out, err.Error())
 		}
-		s.involve(id)
 		out = append(out, fmt.Sprintf("%s: %s (agent phase %s, last heartbeat %s)", id, st, phase, hb))
 	}
 	return out

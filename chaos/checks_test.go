@@ -206,16 +206,16 @@ func (s *soak) checkHostile() []string {
 
 var machineRef = regexp.MustCompile(`\b(sim-\d{6}|real-\d+)\b`)
 
-// printHistories logs, for the machines the violations name (at most 10),
+// printHistories logs, for the machines the violations name (the first 10),
 // their work history and what the simulator saw.
-func (s *soak) printHistories(ctx context.Context, pool *pgxpool.Pool) {
+func (s *soak) printHistories(ctx context.Context, pool *pgxpool.Pool, violations string) {
+	// The machines the violations name, in their order, without repeats.
 	var ids []string
-	s.rec.mu.Lock()
-	for id := range s.rec.involved {
-		ids = append(ids, id)
+	for _, id := range machineRef.FindAllString(violations, -1) {
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
 	}
-	s.rec.mu.Unlock()
-	slices.Sort(ids)
 	printed := 0
 	for _, id := range ids {
 		if printed == 10 {

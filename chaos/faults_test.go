@@ -37,7 +37,6 @@ type record struct {
 	// dbWindows are when the database or a callback server was impaired:
 	// honest heartbeats refused then are not the hostile client's doing.
 	impairedWindows []window
-	involved        map[string]bool // machines to print the history of on failure
 }
 
 type window struct{ from, to time.Time }
@@ -129,13 +128,11 @@ func (s *soak) apply(ctx context.Context, f Fault) {
 		s.setProxies(tcpproxy.Pass, 0)
 	case AgentHang:
 		for _, m := range f.Machines {
-			s.involve(s.simIDs[m])
 			// A machine without an agent has nothing to hang: fine.
 			_ = s.fleet.Silence(s.simIDs[m])
 		}
 	case MachineDeath:
 		for _, m := range f.Machines {
-			s.involve(s.simIDs[m])
 			if err := s.fleet.Kill(s.simIDs[m]); err != nil {
 				s.failf("killing %s: %v", s.simIDs[m], err)
 			}
@@ -152,7 +149,6 @@ func (s *soak) apply(ctx context.Context, f Fault) {
 			fault = sim.RebootHangs
 		}
 		for _, m := range f.Machines {
-			s.involve(s.simIDs[m])
 			if err := s.fleet.SetRebootFault(s.simIDs[m], fault); err != nil {
 				s.failf("setting the reboot fault of %s: %v", s.simIDs[m], err)
 			}
@@ -210,10 +206,6 @@ func (s *soak) apply(ctx context.Context, f Fault) {
 		return
 	}
 	s.logf("healed %s after %s", f, time.Since(began).Round(time.Millisecond))
-}
-
-func (s *soak) involve(id string) {
-	s.rec.note(func(r *record) { r.involved[id] = true })
 }
 
 // impaired records a window in which honest heartbeats may be refused or
@@ -370,7 +362,6 @@ func (s *soak) checkAcks(ctx context.Context, what, url string, before map[strin
 		if r.started == nil || r.started.After(a.Acked) {
 			continue
 		}
-		s.involve(id)
 		s.rec.note(func(rec *record) {
 			key := id + a.Sent.String()
 			if rec.lostSeen[key] {
@@ -395,7 +386,6 @@ func (s *soak) runHostile(ctx context.Context, f Fault) {
 		return
 	}
 	for _, m := range f.Machines {
-		s.involve(s.simIDs[m])
 		_ = s.fleet.Silence(s.simIDs[m])
 	}
 	began := time.Now()
@@ -500,7 +490,6 @@ func (s *soak) sampleWork(ctx context.Context) {
 					continue
 				}
 				seen[key] = true
-				s.involve(id)
 				s.rec.note(func(r *record) {
 					r.heldTooLong = append(r.heldTooLong, fmt.Sprintf("%s: %s held by live session %s for %s (since %s), more than %s",
 						id, process, session, held.Round(time.Second), started.Format("15:04:05"), bound))
