@@ -195,13 +195,21 @@ func (s *soak) checkHostile() []string {
 			justStarted := slices.ContainsFunc(m.Starts, func(st Start) bool {
 				return !st.At.After(r.Sent) && r.Sent.Sub(st.At) < 10*time.Second
 			})
-			if in(r.Sent, hostileWindows) && !in(r.Sent, impaired) && !justStarted {
+			// Impaired while it was on its way (up to the agent's RPC
+			// timeout after sending), the refusal is not the client's.
+			onItsWay := window{r.Sent, r.Sent.Add(unansweredBound)}
+			if in(r.Sent, hostileWindows) && !overlaps(onItsWay, impaired) && !justStarted {
 				out = append(out, fmt.Sprintf("%s: an honest heartbeat sent at %s was refused (%s) while the hostile client ran",
 					id, r.Sent.Format("15:04:05.000"), r.Code))
 			}
 		}
 	}
 	return out
+}
+
+// overlaps reports whether w overlaps any of ws.
+func overlaps(w window, ws []window) bool {
+	return slices.ContainsFunc(ws, func(o window) bool { return !w.to.Before(o.from) && !o.to.Before(w.from) })
 }
 
 var machineRef = regexp.MustCompile(`\b(sim-\d{6}|real-\d+)\b`)

@@ -178,16 +178,32 @@ func (m MachineTruth) RebootsWithoutStart() []time.Time {
 
 // Explains reports whether a heartbeat time the BMDB holds for the machine
 // can come from an honest heartbeat: one acknowledged, sent at or before it
-// and answered at or after it, or one sent at or before it that got no
-// answer and was sent at most unansweredBound before it (it may have been
-// recorded). A time no honest heartbeat explains
+// and answered at or after it, or one sent at most unansweredBound before it
+// that got no answer or a refusal that leaves its outcome open (it may
+// have been recorded). A time no honest heartbeat explains
 // was written by someone else (I8).
 func (m MachineTruth) Explains(at time.Time) bool {
 	return slices.ContainsFunc(m.Acks, func(a Ack) bool {
 		return !a.Sent.After(at.Add(margin)) && !a.Acked.Before(at.Add(-margin))
 	}) || slices.ContainsFunc(m.Failures, func(f Failure) bool {
 		return !f.Sent.After(at.Add(margin)) && !at.After(f.Sent.Add(unansweredBound))
+	}) || slices.ContainsFunc(m.Refusals, func(r Refusal) bool {
+		return r.MaybeRecorded() && !r.Sent.After(at.Add(margin)) && !at.After(r.Sent.Add(unansweredBound))
 	})
+}
+
+// MaybeRecorded reports whether the server may have recorded the heartbeat
+// it refused: it answers Unavailable (or timed out, or failed inside) when
+// the database did not say how a write went, such as a commit whose reply
+// a database restart cut off. Refusals for cause (a wrong key, a bad
+// request) were never written.
+func (r Refusal) MaybeRecorded() bool {
+	switch r.Code {
+	case connect.CodeUnavailable, connect.CodeDeadlineExceeded, connect.CodeCanceled,
+		connect.CodeUnknown, connect.CodeInternal, connect.CodeAborted:
+		return true
+	}
+	return false
 }
 
 // unansweredBound is how long after it was sent a heartbeat that got no

@@ -48,6 +48,13 @@ func TestTruthJudgesReboots(t *testing.T) {
 	if m.Explains(at(0.5)) {
 		t.Error("a time before any heartbeat was sent is explained")
 	}
+	if !m.Explains(at(8)) {
+		t.Error("a time after a heartbeat refused as Unavailable (its outcome unknown) is not explained")
+	}
+	tr.HeartbeatRefused("sim-000002", "m2", at(1), connect.CodePermissionDenied)
+	if tr.Machine("sim-000002").Explains(at(1.5)) {
+		t.Error("a heartbeat refused for cause explains a recorded time")
+	}
 	if m.Explains(at(40)) {
 		t.Error("a time 35 s after an unanswered heartbeat is explained")
 	}
