@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -19,6 +18,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/shepherd/shepherd/internal/localport"
 )
 
 const (
@@ -277,15 +278,9 @@ func childEnv() []string {
 
 // freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("picking a free port: %w", err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	if err := l.Close(); err != nil {
-		return 0, fmt.Errorf("picking a free port: %w", err)
-	}
-	return port, nil
+	// Not from the ephemeral range: a restart binds the same port again
+	// (see package localport).
+	return localport.Free(27000, 32767)
 }
 
 // checkSocketPath rejects socket paths that postgres would refuse, with an

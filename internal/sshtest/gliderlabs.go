@@ -88,7 +88,13 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 	}
 	addr := g.h.Addr
 	if addr.Port() == 0 {
-		addr = netip.AddrPortFrom(loopback, 0)
+		// Not port 0: restarts reuse the port, which must not be one an
+		// outgoing connection can take meanwhile (see freePort).
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		addr = netip.AddrPortFrom(loopback, port)
 	}
 	ln, err := net.Listen("tcp", addr.String())
 	if err != nil {

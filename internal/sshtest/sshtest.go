@@ -62,6 +62,8 @@ import (
 	"time"
 
 	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/internal/localport"
 )
 
 // Kind is which SSH server a Host runs.
@@ -560,12 +562,8 @@ func keysEqual(a, b ssh.PublicKey) bool {
 // process may take it before sshd binds it, so callers retry on
 // "Address already in use".
 func freePort() (uint16, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("finding a free port: %w", err)
-	}
-	defer l.Close()
-	return uint16(l.Addr().(*net.TCPAddr).Port), nil
+	port, err := localport.Free(20000, 26999)
+	return uint16(port), err
 }
 
 // loopback is the address every server listens on.
