@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -548,8 +547,6 @@ func tail(path string, n int) string {
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
-var errNotHealthy = errors.New("not every machine is Healthy")
-
 // waitHealthy waits until every machine is Healthy, or fails the test.
 func (s *soak) waitHealthy(ctx context.Context, bound time.Duration, what string) time.Duration {
 	start := time.Now()
@@ -564,7 +561,7 @@ func (s *soak) waitHealthy(ctx context.Context, bound time.Duration, what string
 			}
 		}
 		if time.Now().After(deadline) {
-			s.t.Fatalf("%s: %v after %s; states %v (err %v)", what, errNotHealthy, bound, last, err)
+			s.t.Fatalf("%s: not every machine is Healthy after %s; states %v (err %v)", what, bound, last, err)
 		}
 		select {
 		case <-ctx.Done():
@@ -601,4 +598,3 @@ func (s *soak) states(ctx context.Context) (map[string]int64, error) {
 	return out, rows.Err()
 }
 
-var _ io.Writer = (*os.File)(nil)
