@@ -597,4 +597,3 @@ func (s *soak) states(ctx context.Context) (map[string]int64, error) {
 	}
 	return out, rows.Err()
 }
-
