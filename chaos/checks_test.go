@@ -16,6 +16,11 @@ import (
 // alive and recorded), I3 (no second reboot without an agent started in
 // between) and that no machine was rebooted more often than admitted.
 func (s *soak) checkReboots(ctx context.Context, pool *pgxpool.Pool) (falseReboots, double, unadmitted []string) {
+	// Reboots the simulator saw before the query were admitted before it.
+	truth := make(map[string]MachineTruth, len(s.simIDs))
+	for _, id := range s.simIDs {
+		truth[id] = s.truth.Machine(id)
+	}
 	rows, err := pool.Query(ctx, `
 		SELECT p.provider_id, a.admitted_at
 		FROM recovery_admissions a JOIN machine_provided p USING (machine_id)
@@ -42,7 +47,7 @@ func (s *soak) checkReboots(ctx context.Context, pool *pgxpool.Pool) (falseReboo
 	}
 	rows.Close()
 	for _, id := range s.simIDs {
-		m := s.truth.Machine(id)
+		m := truth[id]
 		for _, at := range m.RebootsWithoutStart() {
 			double = append(double, fmt.Sprintf("%s: rebooted at %s with no agent started since its previous reboot", id, at.Format("15:04:05.000")))
 		}
@@ -122,6 +127,14 @@ func (s *soak) checkLostReports(ctx context.Context, pool *pgxpool.Pool) []strin
 	s.rec.mu.Lock()
 	out := slices.Clone(s.rec.lostAcks)
 	s.rec.mu.Unlock()
+	// The record is read before the query: what was acknowledged by then
+	// was committed before the query's snapshot. Read after, it would hold
+	// heartbeats acknowledged while the query ran, which the snapshot
+	// cannot show.
+	truth := make(map[string]MachineTruth, len(s.simIDs))
+	for _, id := range s.simIDs {
+		truth[id] = s.truth.Machine(id)
+	}
 	rows, err := pool.Query(ctx, `
 		SELECT p.provider_id, h.agent_heartbeat_at, r.machine_id IS NOT NULL
 		FROM machine_provided p
@@ -139,10 +152,10 @@ func (s *soak) checkLostReports(ctx context.Context, pool *pgxpool.Pool) []strin
 		if err := rows.Scan(&id, &hb, &hw); err != nil {
 			return append(out, err.Error())
 		}
-		if !strings.HasPrefix(id, "sim-") {
-			continue
+		m, ok := truth[id]
+		if !ok {
+			continue // a real machine: the simulator knows nothing of it
 		}
-		m := s.truth.Machine(id)
 		var since time.Time
 		if len(m.Starts) > 0 {
 			since = m.Starts[len(m.Starts)-1].At
