@@ -186,8 +186,8 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	fmt.Fprintf(&report, "faults: %s\n", strings.Join(kinds, " "))
 	fmt.Fprintf(&report, "healthy again %s after the last fault\n", healTime.Round(time.Second))
 	acks, refusals, failures, reboots, starts := s.truth.Counts()
-	fmt.Fprintf(&report, "ground truth: %d heartbeats acknowledged, %d refused, %d unanswered; %d reboots; %d agents started\n",
-		acks, refusals, failures, reboots, starts)
+	fmt.Fprintf(&report, "ground truth: %d heartbeats acknowledged, %d refused %v, %d unanswered; %d reboots; %d agents started\n",
+		acks, refusals, s.truth.RefusalCodes(), failures, reboots, starts)
 	fmt.Fprintf(&report, "R chaos faults=%d violations=%d seed=%d duration_s=%d machines=%d processes=%d\n",
 		applied, violations, cfg.seed, int(cfg.duration.Seconds()), cfg.machines+cfg.realHosts, cfg.processes)
 	fmt.Print(report.String())

@@ -225,3 +225,16 @@ func (t *Truth) Counts() (acks, refusals, failures, reboots, starts int) {
 	}
 	return acks, refusals, failures, reboots, starts
 }
+
+// RefusalCodes counts the refused heartbeats by the server's answer.
+func (t *Truth) RefusalCodes() map[string]int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string]int{}
+	for _, m := range t.machines {
+		for _, r := range m.Refusals {
+			out[r.Code.String()]++
+		}
+	}
+	return out
+}

@@ -58,6 +58,9 @@ func TestTruthJudgesReboots(t *testing.T) {
 	if m.Explains(at(40)) {
 		t.Error("a time 35 s after an unanswered heartbeat is explained")
 	}
+	if got := tr.RefusalCodes(); got["unavailable"] != 1 || got["permission_denied"] != 1 || len(got) != 2 {
+		t.Errorf("refusals by code %v, want one unavailable and one permission_denied", got)
+	}
 	if got := tr.LastAcks()["sim-000001"]; !got.Sent.Equal(at(3)) {
 		t.Errorf("last acknowledged heartbeat %+v, want the one sent at 3 s", got)
 	}
