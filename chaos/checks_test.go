@@ -187,11 +187,18 @@ func (s *soak) checkLostReports(ctx context.Context, pool *pgxpool.Pool) []strin
 // while it ran, unless the database or a server was impaired then too.
 func (s *soak) checkHostile() []string {
 	s.rec.mu.Lock()
-	out := slices.Clone(s.rec.forged)
+	samples := slices.Clone(s.rec.forgedSamples)
 	runs := slices.Clone(s.rec.hostile)
 	hostileWindows := slices.Clone(s.rec.hostileWindows)
 	impaired := slices.Clone(s.rec.impairedWindows)
 	s.rec.mu.Unlock()
+	var out []string
+	for _, sm := range samples {
+		if !s.truth.Machine(sm.id).Explains(sm.hb) {
+			out = append(out, fmt.Sprintf("%s: the BMDB had heartbeat %s, which no honest heartbeat of its agent explains",
+				sm.id, sm.hb.Format("15:04:05.000000")))
+		}
+	}
 	for i, r := range runs {
 		if r.Accepted > 0 {
 			out = append(out, fmt.Sprintf("hostile run %d: the server accepted %d forged or malformed heartbeats (sent %v, answers %v)", i+1, r.Accepted, r.Sent, r.Codes))
