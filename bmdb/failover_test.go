@@ -5,7 +5,6 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/eventually"
 	"github.com/shepherd/shepherd/internal/pgserver"
 )
 
@@ -22,20 +22,10 @@ import (
 // ends.
 func failoverCluster(t *testing.T) (primary, standby *pgserver.Server) {
 	t.Helper()
-	parent, err := os.MkdirTemp("", "shepherd-failover-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The postgres OS user (when we are root) must traverse it.
-	if err := os.Chmod(parent, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := os.RemoveAll(parent); err != nil {
-			t.Error(err)
-		}
-	})
-	primary, standby, err = pgserver.StartSyncPair(t.Context(), parent)
+	// Without a parent directory each server gets a temporary one that
+	// Close removes.
+	var err error
+	primary, standby, err = pgserver.StartSyncPair(t.Context(), "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,26 +37,6 @@ func failoverCluster(t *testing.T) (primary, standby *pgserver.Server) {
 		})
 	}
 	return primary, standby
-}
-
-// waitUntil polls cond every 20 ms and fails the test once timeout passes.
-func waitUntil(t *testing.T, timeout time.Duration, what string, cond func(ctx context.Context) (bool, error)) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		ok, err := cond(ctx)
-		if ok {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: still false after %s (last error: %v)", what, timeout, err)
-		case <-tick.C:
-		}
-	}
 }
 
 // acked is what the writer was told had been committed.
@@ -207,7 +177,7 @@ func TestFailover(t *testing.T) {
 	}
 	defer stop()
 
-	waitUntil(t, 30*time.Second, "writes before the failover", func(context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "writes before the failover", func(context.Context) (bool, error) {
 		_, _, hb, _ := a.counts()
 		return hb >= 20, nil
 	})
@@ -226,7 +196,7 @@ func TestFailover(t *testing.T) {
 	}
 	a.mu.Unlock()
 	// Keep the database away until the kept session is lost.
-	waitUntil(t, 30*time.Second, "kept session lost during the outage", func(context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "kept session lost during the outage", func(context.Context) (bool, error) {
 		return first.Lost(), nil
 	})
 	if err := standby.Promote(t.Context()); err != nil {
@@ -244,7 +214,7 @@ func TestFailover(t *testing.T) {
 		t.Fatal("KeepSession handed out the lost session again")
 	}
 	_, _, hbAtPromotion, _ := a.counts()
-	waitUntil(t, 30*time.Second, "writes after the promotion", func(context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "writes after the promotion", func(context.Context) (bool, error) {
 		_, _, hb, _ := a.counts()
 		return hb >= hbAtPromotion+20, nil
 	})

@@ -3,13 +3,9 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strconv"
 	"testing"
 	"time"
 
@@ -19,6 +15,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/pgserver"
 )
 
@@ -198,7 +195,7 @@ func TestFailover(t *testing.T) {
 	bmdbtest.WaitFor(t, time.Minute, "every component lost its session", func(ctx context.Context) (bool, error) {
 		running()
 		for _, c := range sessionComponents {
-			n, err := scrapeMetric(ctx, metricsAddr, `shepherd_bmdb_sessions_lost_total{component="`+c+`"}`)
+			n, err := metricstest.Scrape(ctx, metricsAddr, `shepherd_bmdb_sessions_lost_total{component="`+c+`"}`)
 			if err != nil || n < 1 {
 				return false, fmt.Errorf("%s: %v sessions lost (%v)", c, n, err)
 			}
@@ -364,27 +361,4 @@ func mustQuery(t *testing.T, tx pgx.Tx, sql string) pgx.Rows {
 		t.Fatalf("%s: %v", sql, err)
 	}
 	return rows
-}
-
-// scrapeMetric reads /metrics at addr and returns the value of the series
-// written exactly as series (name{labels}); 0 if it is not there yet.
-func scrapeMetric(ctx context.Context, addr, series string) (float64, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
-	if err != nil {
-		return 0, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
-	if m == nil {
-		return 0, nil
-	}
-	return strconv.ParseFloat(string(m[1]), 64)
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/eventually"
 )
 
 // Session starts a session for component with lease (0 = default) and
@@ -158,21 +159,7 @@ func AddFleet(t testing.TB, db *DB, f Fleet) {
 // the last error if timeout passes first.
 func WaitFor(t testing.TB, timeout time.Duration, what string, cond func(context.Context) (bool, error)) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		ok, err := cond(ctx)
-		if ok {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: still false after %s (last error: %v)", what, timeout, err)
-		case <-tick.C:
-		}
-	}
+	eventually.Holds(t, timeout, what, cond)
 }
 
 // OverlappingClaims checks, in the database, that the history of every

@@ -1,36 +1,16 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 )
-
-// syncBuffer is a log destination tests read while the code writes.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // behindProxy returns a fresh database's URL through a TCP proxy the test
 // controls.
@@ -45,7 +25,7 @@ func TestOpenObservedWaitsForTheDatabase(t *testing.T) {
 	t.Parallel()
 	dbURL, proxy := behindProxy(t)
 	proxy.SetMode(tcpproxy.Reset)
-	var logs syncBuffer
+	var logs lockedBuffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	f := databaseFlags{url: dbURL}
 	type result struct {
@@ -105,7 +85,7 @@ func TestOpenObservedStopsWaitingOnCancel(t *testing.T) {
 	dbURL, proxy := behindProxy(t)
 	proxy.SetMode(tcpproxy.Reset)
 	ctx, cancel := context.WithCancel(t.Context())
-	var logs syncBuffer
+	var logs lockedBuffer
 	done := make(chan error, 1)
 	go func() {
 		_, err := (&databaseFlags{url: dbURL}).openObserved(ctx, newRegistry(), slog.New(slog.NewTextHandler(&logs, nil)))

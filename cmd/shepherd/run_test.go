@@ -5,12 +5,9 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -19,6 +16,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 )
 
@@ -88,36 +86,13 @@ func TestRunUpdater(t *testing.T) {
 			return false, err
 		}
 		// Passes after the fleet was recorded, at the short periods.
-		n, err := scrapeMetric(ctx, metricsAddr, `shepherd_updater_passes_total{provider="sim",result="ok"}`)
+		n, err := metricstest.Scrape(ctx, metricsAddr, `shepherd_updater_passes_total{provider="sim",result="ok"}`)
 		return n >= 5, err
 	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("shepherd run: %v", err)
 	}
-}
-
-// scrapeMetric reads /metrics at addr and returns the value of the series
-// written exactly as series (name{labels}); 0 if it is not there yet.
-func scrapeMetric(ctx context.Context, addr, series string) (float64, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
-	if err != nil {
-		return 0, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
-	if m == nil {
-		return 0, nil
-	}
-	return strconv.ParseFloat(string(m[1]), 64)
 }
 
 // freeAddr returns a loopback address with a port that was free a moment
@@ -182,11 +157,11 @@ func TestRunSuspectFractionZero(t *testing.T) {
 			t.Fatalf("shepherd run stopped: %v", err)
 		default:
 		}
-		ok, err := scrapeMetric(ctx, metricsAddr, fmt.Sprintf(passes, "ok"))
+		ok, err := metricstest.Scrape(ctx, metricsAddr, fmt.Sprintf(passes, "ok"))
 		if err != nil {
 			return false, err
 		}
-		suspect, err = scrapeMetric(ctx, metricsAddr, fmt.Sprintf(passes, "suspect"))
+		suspect, err = metricstest.Scrape(ctx, metricsAddr, fmt.Sprintf(passes, "suspect"))
 		return ok+suspect > 0, err
 	})
 	cancel()

@@ -10,28 +10,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-)
 
-// waitFor polls cond every 20 ms until it reports true, failing the test
-// with what and the last error once timeout has passed.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func(ctx context.Context) (bool, error)) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		ok, err := cond(ctx)
-		if ok {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: still false after %s (last error: %v)", what, timeout, err)
-		case <-tick.C:
-		}
-	}
-}
+	"github.com/shepherd/shepherd/internal/eventually"
+)
 
 // TestStandbyFailover starts a primary with a synchronous standby, checks
 // that a committed row is on the standby as soon as the commit returns,
@@ -59,7 +40,7 @@ func TestStandbyFailover(t *testing.T) {
 	if got := queryInt(t, standby.URL(""), "SELECT pg_is_in_recovery()::int"); got != 1 {
 		t.Fatalf("standby: pg_is_in_recovery = %d, want 1", got)
 	}
-	waitFor(t, 30*time.Second, "standby is the primary's synchronous standby", func(ctx context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "standby is the primary's synchronous standby", func(ctx context.Context) (bool, error) {
 		conn, err := pgx.Connect(ctx, primary.URL(""))
 		if err != nil {
 			return false, err
@@ -74,7 +55,7 @@ func TestStandbyFailover(t *testing.T) {
 	// has flushed it; remote_apply would be needed to also see it there at
 	// once, so poll for visibility, but the row must survive the failover.
 	execSQL(t, primary.URL(""), "CREATE TABLE acked (n int PRIMARY KEY); INSERT INTO acked VALUES (1)")
-	waitFor(t, 30*time.Second, "row replicated", func(ctx context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "row replicated", func(ctx context.Context) (bool, error) {
 		conn, err := pgx.Connect(ctx, standby.URL(""))
 		if err != nil {
 			return false, err
@@ -196,7 +177,7 @@ func TestSyncPairFailoverAndResync(t *testing.T) {
 	}
 	url3 := MultiHostURL("", primary, standby, standby2)
 	execSQL(t, url3, "INSERT INTO acked VALUES (3)")
-	waitFor(t, 30*time.Second, "row 3 on the new standby", func(ctx context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "row 3 on the new standby", func(ctx context.Context) (bool, error) {
 		conn, err := pgx.Connect(ctx, standby2.URL(""))
 		if err != nil {
 			return false, err
@@ -222,7 +203,7 @@ func TestSyncPairFailoverAndResync(t *testing.T) {
 		_, err = conn.Exec(t.Context(), "INSERT INTO acked VALUES (4)")
 		committed <- err
 	}()
-	waitFor(t, 30*time.Second, "a commit waits for the stopped synchronous standby", func(ctx context.Context) (bool, error) {
+	eventually.Holds(t, 30*time.Second, "a commit waits for the stopped synchronous standby", func(ctx context.Context) (bool, error) {
 		select {
 		case err := <-committed:
 			t.Fatalf("the commit returned without its synchronous standby: %v", err)

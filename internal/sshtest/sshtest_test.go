@@ -23,6 +23,8 @@ import (
 	"github.com/pkg/sftp"
 	"go.uber.org/goleak"
 	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/internal/eventually"
 )
 
 func TestMain(m *testing.M) {
@@ -588,14 +590,17 @@ func TestSIGHUPThroughSSH(t *testing.T) {
 		pid := readPID(t, h)
 		mustRun(t, mustDial(t, h, key), "kill -HUP $(cat "+shellQuote(h.PIDFile())+")")
 		start := time.Now()
-		waitFor(t, 10*time.Second, "login after SIGHUP", func(ctx context.Context) (bool, error) {
+		eventually.Holds(t, 10*time.Second, "login after SIGHUP", func(ctx context.Context) (bool, error) {
 			// Only log in: a command's duration depends on the login shell's
 			// startup files, not on sshd.
 			c, err := dial(ctx, h, h.User, key, h.HostKey)
 			if err != nil {
 				return false, err
 			}
-			return true, c.Close()
+			if err := c.Close(); err != nil {
+				return false, err
+			}
+			return true, nil
 		})
 		t.Logf("sshd accepted logins again %s after SIGHUP", time.Since(start))
 		mustRun(t, mustDial(t, h, key), "true")
@@ -668,27 +673,6 @@ func TestOddDirectoryNames(t *testing.T) {
 			h.Restart(t)
 			mustRun(t, mustDial(t, h, key), "true")
 		})
-	}
-}
-
-// waitFor polls cond until it reports true, and fails the test at the
-// deadline.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func(context.Context) (bool, error)) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		ok, err := cond(ctx)
-		if ok && err == nil {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: still false after %s (last error: %v)", what, timeout, err)
-		case <-tick.C:
-		}
 	}
 }
 
@@ -794,7 +778,7 @@ func TestPasswordAttemptsCounted(t *testing.T) {
 		if err := login("wrong"); err == nil {
 			t.Error("a wrong password logged in")
 		}
-		waitFor(t, 10*time.Second, "two password attempts in the log", func(context.Context) (bool, error) {
+		eventually.Holds(t, 10*time.Second, "two password attempts in the log", func(context.Context) (bool, error) {
 			return h.PasswordAttempts() == 2, nil
 		})
 		if log, _ := os.ReadFile(h.LogPath()); bytes.Contains(log, []byte("sshtest-pw")) {

@@ -11,24 +11,7 @@ import (
 )
 
 // echoServer answers every line with the same line.
-func echoServer(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	return ln.Addr().String()
-}
+func echoServer(t *testing.T) string { return prefixServer(t, "") }
 
 func roundTrip(c net.Conn, deadline time.Duration) (string, error) {
 	_ = c.SetDeadline(time.Now().Add(deadline))

@@ -1,0 +1,39 @@
+// Package metricstest reads a running process's Prometheus /metrics, for
+// tests of the binaries and of their HTTP listeners.
+package metricstest
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"regexp"
+	"strconv"
+)
+
+// Scrape reads /metrics at addr (host:port) and returns the value of the
+// series written exactly as series (name{labels} in the exposition
+// format); 0 if it is not there yet.
+func Scrape(ctx context.Context, addr, series string) (float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("GET http://%s/metrics: %s", addr, resp.Status)
+	}
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
+	if m == nil {
+		return 0, nil
+	}
+	return strconv.ParseFloat(string(m[1]), 64)
+}
