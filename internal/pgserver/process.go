@@ -1,7 +1,6 @@
 package pgserver
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -204,15 +203,28 @@ func chownTree(root string, uid, gid uint32) error {
 }
 
 // initCluster runs initdb unless the data directory already holds a
-// cluster. initdb writes into a scratch directory that is renamed into
-// place only on success, so an interrupted initdb never leaves a
-// half-initialised cluster that would later be mistaken for a real one.
+// cluster (see fillDataDir).
 func (s *Server) initCluster(ctx context.Context) error {
+	return s.fillDataDir(ctx, ".initdb", func(ctx context.Context, scratch string) error {
+		args := []string{"-D", scratch, "--auth=trust", "-U", s.user, "-E", "UTF8", "--locale=C"}
+		if !s.durable {
+			args = append(args, "--no-sync")
+		}
+		return s.runTool(ctx, "initdb", args...)
+	})
+}
+
+// fillDataDir fills the data directory with fill unless it holds a
+// cluster already. fill writes into a scratch directory (the data
+// directory's name plus suffix) that is renamed into place only on
+// success, so an interrupted initdb or pg_basebackup never leaves a
+// half-made cluster that would later be mistaken for a real one.
+func (s *Server) fillDataDir(ctx context.Context, suffix string, fill func(ctx context.Context, scratch string) error) error {
 	if _, err := os.Stat(filepath.Join(s.dataDir, "PG_VERSION")); err == nil {
 		s.log.Debug("reusing existing cluster", "data", s.dataDir)
 		return nil
 	} else if !errors.Is(err, fs.ErrNotExist) {
-		return err
+		return fmt.Errorf("checking %s: %w", s.dataDir, err)
 	}
 	if entries, err := os.ReadDir(s.dataDir); err == nil {
 		if len(entries) > 0 {
@@ -222,42 +234,19 @@ func (s *Server) initCluster(ctx context.Context) error {
 			return err
 		}
 	}
-
-	scratch := s.dataDir + ".initdb"
+	scratch := s.dataDir + suffix
 	if err := os.RemoveAll(scratch); err != nil {
+		return fmt.Errorf("removing an old %s: %w", scratch, err)
+	}
+	began := time.Now()
+	if err := fill(ctx, scratch); err != nil {
+		_ = os.RemoveAll(scratch)
 		return err
 	}
-	args := []string{"-D", scratch, "--auth=trust", "-U", s.user, "-E", "UTF8", "--locale=C"}
-	if !s.durable {
-		args = append(args, "--no-sync")
-	}
-	cmd := exec.CommandContext(ctx, filepath.Join(s.binDir, "initdb"), args...)
-	cmd.Dir = s.dir
-	cmd.Env = childEnv()
-	var out bytes.Buffer
-	cmd.Stdout = &out
-	cmd.Stderr = &out
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Setpgid:    true,
-		Pdeathsig:  syscall.SIGKILL,
-		Credential: s.credential(),
-	}
-	// initdb spawns postgres processes of its own; kill them all.
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
-	cmd.WaitDelay = 5 * time.Second
-
-	began := time.Now()
-	if err := cmd.Run(); err != nil {
-		_ = os.RemoveAll(scratch)
-		if ctxErr := ctx.Err(); ctxErr != nil {
-			return fmt.Errorf("running initdb: %w", ctxErr)
-		}
-		return fmt.Errorf("running initdb: %w; its output ends with:\n%s", err, lastLines(out.String(), tailLines))
-	}
-	s.log.Debug("initdb finished", "data", s.dataDir, "duration", time.Since(began), "output", out.String())
+	s.log.Debug("data directory made", "data", s.dataDir, "duration", time.Since(began))
 	if err := os.Rename(scratch, s.dataDir); err != nil {
 		_ = os.RemoveAll(scratch)
-		return err
+		return fmt.Errorf("moving %s into place: %w", scratch, err)
 	}
 	return nil
 }

@@ -3,10 +3,7 @@ package pgserver
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -67,48 +64,26 @@ func StartStandby(ctx context.Context, primary *Server, cfg Config) (*Server, er
 }
 
 // baseBackup fills the data directory with a pg_basebackup of primary
-// unless it holds a cluster already. Like initCluster it writes into a
-// scratch directory renamed into place only on success.
+// unless it holds a cluster already (see fillDataDir).
 func (s *Server) baseBackup(ctx context.Context, primary *Server) error {
-	if _, err := os.Stat(filepath.Join(s.dataDir, "PG_VERSION")); err == nil {
-		s.log.Debug("reusing existing standby", "data", s.dataDir)
-		return nil
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("checking %s: %w", s.dataDir, err)
-	}
-	if err := os.Remove(s.dataDir); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("%s exists but is not a PostgreSQL data directory: %w", s.dataDir, err)
-	}
-	scratch := s.dataDir + ".basebackup"
-	if err := os.RemoveAll(scratch); err != nil {
-		return fmt.Errorf("removing an old %s: %w", scratch, err)
-	}
-	// Connect as libpq keywords rather than a URL: -R copies them into
-	// primary_conninfo.
-	conninfo := fmt.Sprintf("host=%s port=%d user=%s sslmode=disable", primary.sockDir, primary.port, primary.user)
-	args := []string{"-D", scratch, "-d", conninfo, "-R", "-X", "stream", "-c", "fast"}
-	if !s.durable {
-		args = append(args, "--no-sync")
-	}
-	began := time.Now()
-	if err := s.runTool(ctx, "pg_basebackup", args...); err != nil {
-		_ = os.RemoveAll(scratch)
-		return err
-	}
-	s.log.Debug("pg_basebackup finished", "data", s.dataDir, "duration", time.Since(began))
-	if err := dropSyncStandbyNames(filepath.Join(scratch, "postgresql.auto.conf")); err != nil {
-		_ = os.RemoveAll(scratch)
-		return err
-	}
-	if err := os.Rename(scratch, s.dataDir); err != nil {
-		_ = os.RemoveAll(scratch)
-		return fmt.Errorf("moving the base backup into place: %w", err)
-	}
-	return nil
+	return s.fillDataDir(ctx, ".basebackup", func(ctx context.Context, scratch string) error {
+		// Connect as libpq keywords rather than a URL: -R copies them into
+		// primary_conninfo.
+		conninfo := fmt.Sprintf("host=%s port=%d user=%s sslmode=disable", primary.sockDir, primary.port, primary.user)
+		args := []string{"-D", scratch, "-d", conninfo, "-R", "-X", "stream", "-c", "fast"}
+		if !s.durable {
+			args = append(args, "--no-sync")
+		}
+		if err := s.runTool(ctx, "pg_basebackup", args...); err != nil {
+			return err
+		}
+		return dropSyncStandbyNames(filepath.Join(scratch, "postgresql.auto.conf"))
+	})
 }
 
-// runTool runs one of the PostgreSQL client programs of BinDir (as the
-// postgres OS user when we are root) and returns an error that includes
+// runTool runs one of the PostgreSQL programs of BinDir (initdb,
+// pg_basebackup; as the postgres OS user when we are root), killing the
+// process group it starts if ctx ends, and returns an error that includes
 // the end of its output if it fails.
 func (s *Server) runTool(ctx context.Context, name string, args ...string) error {
 	path := filepath.Join(s.binDir, name)
