@@ -2,7 +2,6 @@ package chaos
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -126,7 +125,6 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	}
 
 	// I5 first: the other checks read a fleet at rest.
-	var unhealthy []string
 	// The bound: time to notice, reboot and take over a machine, and one
 	// circuit breaker window (which the fault phase may have used up) per
 	// budget of machines that need a reboot now.
@@ -138,9 +136,9 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	}
 	healBound := cfg.healBound + time.Duration(1+needReboot/rebootBudget)*rebootWindow
 	s.logf("%d machines need a reboot: every machine must be Healthy within %s", needReboot, healBound)
-	healTime, herr := s.waitAllHealthy(ctx, healBound, healed)
-	if herr != nil {
-		unhealthy = s.unhealthyMachines(ctx, healed)
+	healTime, unhealthy, herr := s.waitAllHealthy(ctx, healBound, healed)
+	if herr != nil && len(unhealthy) == 0 {
+		unhealthy = []string{herr.Error()} // no machine to name: the fleet is incomplete or unreadable
 	}
 	stopSampling()
 	<-done
@@ -184,6 +182,14 @@ func runSoak(t *testing.T, cfg config, bins string) {
 	}
 	slices.Sort(kinds)
 	fmt.Fprintf(&report, "faults: %s\n", strings.Join(kinds, " "))
+	if len(s.rec.skipped) > 0 {
+		var skipped []string
+		for k, n := range s.rec.skipped {
+			skipped = append(skipped, fmt.Sprintf("%s=%d", k, n))
+		}
+		slices.Sort(skipped)
+		fmt.Fprintf(&report, "skipped (target down or busy): %s\n", strings.Join(skipped, " "))
+	}
 	fmt.Fprintf(&report, "healthy again %s after the last fault\n", healTime.Round(time.Second))
 	acks, refusals, failures, reboots, starts := s.truth.Counts()
 	fmt.Fprintf(&report, "ground truth: %d heartbeats acknowledged, %d refused %v, %d unanswered; %d reboots; %d agents started\n",
@@ -206,63 +212,63 @@ func runSoak(t *testing.T, cfg config, bins string) {
 // waitAllHealthy waits until every machine is Healthy with a heartbeat
 // recorded after since (while heartbeats cannot be recorded, no machine is
 // called Silent, so the state alone could hide a fleet nobody hears), and
-// returns how long that took, or an error after bound.
-func (s *soak) waitAllHealthy(ctx context.Context, bound time.Duration, since time.Time) (time.Duration, error) {
+// returns how long that took, or, after bound, an error and the machines
+// that are not.
+func (s *soak) waitAllHealthy(ctx context.Context, bound time.Duration, since time.Time) (time.Duration, []string, error) {
 	start := time.Now()
+	want := s.cfg.machines + s.cfg.realHosts
 	for {
-		st, err := s.states(ctx)
-		heard, herr := s.heardSince(ctx, since)
-		if err == nil && herr == nil && st["Healthy"] == int64(s.cfg.machines+s.cfg.realHosts) && len(st) == 1 &&
-			heard == s.cfg.machines+s.cfg.realHosts {
-			return time.Since(start), nil
+		total, unhealthy, err := s.unhealthyMachines(ctx, since)
+		if err == nil && total == want && len(unhealthy) == 0 {
+			return time.Since(start), nil, nil
 		}
-		err = errors.Join(err, herr)
 		if time.Since(start) > bound {
-			return time.Since(start), fmt.Errorf("states %v (err %v)", st, err)
+			return time.Since(start), unhealthy, fmt.Errorf("%d of %d machines in the BMDB, %d of them not Healthy and heard from (err %v)",
+				total, want, len(unhealthy), err)
 		}
 		hold(ctx, time.Second)
 		if ctx.Err() != nil {
-			return time.Since(start), ctx.Err()
+			return time.Since(start), unhealthy, ctx.Err()
 		}
 	}
 }
 
-// heardSince counts the machines with a heartbeat recorded after since.
-func (s *soak) heardSince(ctx context.Context, since time.Time) (int, error) {
+// unhealthyMachines returns how many machines the BMDB holds, and those of
+// them that are not Healthy with a heartbeat recorded after since.
+func (s *soak) unhealthyMachines(ctx context.Context, since time.Time) (int, []string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
 	conn, err := pgx.Connect(ctx, s.directURL())
 	if err != nil {
-		return 0, err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	var n int
-	err = conn.QueryRow(ctx, `SELECT count(*) FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
-		WHERE p.provider = $1 AND h.agent_heartbeat_at > $2`, providerName, since).Scan(&n)
-	return n, err
-}
-
-func (s *soak) unhealthyMachines(ctx context.Context, since time.Time) []string {
-	conn, err := pgx.Connect(ctx, s.directURL())
-	if err != nil {
-		return []string{err.Error()}
+		return 0, nil, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	rows, err := conn.Query(ctx, `
-		SELECT m.provider_id, m.state, m.agent_phase, coalesce(to_char(h.agent_heartbeat_at, 'HH24:MI:SS.MS'), 'none')
+		SELECT m.provider_id, m.state, m.agent_phase, h.agent_heartbeat_at
 		FROM machine_states($1, $2) m LEFT JOIN machine_agent_heartbeat h USING (machine_id)
-		WHERE m.state <> 'Healthy' OR h.agent_heartbeat_at IS NULL OR h.agent_heartbeat_at <= $3
 		ORDER BY m.provider_id`,
-		firstHeartbeatTimeout.Milliseconds(), heartbeatTimeout.Milliseconds(), since)
+		firstHeartbeatTimeout.Milliseconds(), heartbeatTimeout.Milliseconds())
 	if err != nil {
-		return []string{err.Error()}
+		return 0, nil, err
 	}
 	defer rows.Close()
+	total := 0
 	var out []string
 	for rows.Next() {
-		var id, st, phase, hb string
+		var id, st, phase string
+		var hb *time.Time
 		if err := rows.Scan(&id, &st, &phase, &hb); err != nil {
-			return append(out, err.Error())
+			return total, out, err
 		}
-		out = append(out, fmt.Sprintf("%s: %s (agent phase %s, last heartbeat %s)", id, st, phase, hb))
+		total++
+		if st == "Healthy" && hb != nil && hb.After(since) {
+			continue
+		}
+		last := "none"
+		if hb != nil {
+			last = hb.Format("15:04:05.000")
+		}
+		out = append(out, fmt.Sprintf("%s: %s (agent phase %s, last heartbeat %s)", id, st, phase, last))
 	}
-	return out
+	return total, out, rows.Err()
 }

@@ -16,8 +16,6 @@ import (
 
 // record is what the soak notes while it runs, for the checks.
 type record struct {
-	simPorts []int
-
 	mu      sync.Mutex
 	applied map[Kind]int
 	skipped map[Kind]int

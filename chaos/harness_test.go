@@ -61,15 +61,16 @@ type soak struct {
 	// primaryAt is the index of the proxy that leads to the primary.
 	primaryAt int
 
-	fleet   *sim.Fleet
-	truth   *Truth
-	simIDs  []string // provider ids of simulated machines, by index
-	hosts   []*sshtest.Host
-	hostMu  []sync.Mutex // one key rotation or agent kill per real host at a time
-	agents  string       // the real agents' directory
-	procs   []*proc
-	servers []string // callback server endpoints, by server index
-	caPEM   []byte
+	fleet    *sim.Fleet
+	truth    *Truth
+	simIDs   []string // provider ids of simulated machines, by index
+	simPorts []int    // their SSH ports on 127.0.0.1, by index
+	hosts    []*sshtest.Host
+	hostMu   []sync.Mutex // one key rotation or agent kill per real host at a time
+	agents   string       // the real agents' directory
+	procs    []*proc
+	servers  []string // callback server endpoints, by server index
+	caPEM    []byte
 
 	rec record // what the checks use besides the BMDB and the truth
 }
@@ -145,7 +146,10 @@ func (s *soak) start(ctx context.Context) {
 	t.Cleanup(func() { stopRealAgents(s.agents) })
 	cfgPath := s.writeInventory()
 	s.startProcesses(dataDir, cfgPath)
-	s.waitHealthy(ctx, s.cfg.startBound, "the whole fleet Healthy before the first fault")
+	// Every machine heard from since the soak began: the zero time.
+	if _, _, err := s.waitAllHealthy(ctx, s.cfg.startBound, time.Time{}); err != nil {
+		t.Fatalf("the whole fleet Healthy before the first fault, within %s: %v", s.cfg.startBound, err)
+	}
 }
 
 func (s *soak) startPostgres(ctx context.Context) {
@@ -256,13 +260,13 @@ func (s *soak) startFleet(ctx context.Context) {
 	if err := s.fleet.Provision(s.simIDs...); err != nil {
 		t.Fatal(err)
 	}
-	s.rec.simPorts = make([]int, len(ms))
+	s.simPorts = make([]int, len(ms))
 	for i, id := range s.simIDs {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
-		s.rec.simPorts[i] = ln.Addr().(*net.TCPAddr).Port
+		s.simPorts[i] = ln.Addr().(*net.TCPAddr).Port
 		wg.Go(func() {
 			if err := s.fleet.ServeSSH(fctx, id, ln); err != nil {
 				s.logf("SSH server of %s stopped: %v", id, err)
@@ -292,7 +296,7 @@ func (s *soak) writeInventory() string {
 			t.Fatalf("simulated machine %s has no location", id)
 		}
 		fmt.Fprintf(&inv, "  - id: %s\n    address: 127.0.0.1\n    port: %d\n    location: %s\n    host_key: %q\n",
-			id, s.rec.simPorts[i], m.Location(), strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key))))
+			id, s.simPorts[i], m.Location(), strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key))))
 	}
 	for i, h := range s.hosts {
 		id := realID(i)
@@ -417,11 +421,17 @@ func (p *proc) kill() {
 func (p *proc) running() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return !p.exitedLocked()
+}
+
+// exitedLocked reports whether the current process has exited; p.mu must
+// be held.
+func (p *proc) exitedLocked() bool {
 	select {
 	case <-p.done:
-		return false
-	default:
 		return true
+	default:
+		return false
 	}
 }
 
@@ -429,10 +439,8 @@ func (p *proc) running() bool {
 func (p *proc) signal(sig syscall.Signal) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	select {
-	case <-p.done:
+	if p.exitedLocked() {
 		return false
-	default:
 	}
 	if sig == syscall.SIGSTOP && p.stopped || sig == syscall.SIGCONT && !p.stopped {
 		return false
@@ -466,12 +474,10 @@ func (p *proc) ensureRunning() error {
 	p.signal(syscall.SIGCONT)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	select {
-	case <-p.done:
+	if p.exitedLocked() {
 		return p.startLocked()
-	default:
-		return nil
 	}
+	return nil
 }
 
 // stopRealAgents ends the real agents started under dir.
@@ -545,55 +551,4 @@ func tail(path string, n int) string {
 	}
 	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
-}
-
-// waitHealthy waits until every machine is Healthy, or fails the test.
-func (s *soak) waitHealthy(ctx context.Context, bound time.Duration, what string) time.Duration {
-	start := time.Now()
-	deadline := start.Add(bound)
-	var last map[string]int64
-	for {
-		st, err := s.states(ctx)
-		if err == nil {
-			last = st
-			if st["Healthy"] == int64(s.cfg.machines+s.cfg.realHosts) && len(st) == 1 {
-				return time.Since(start)
-			}
-		}
-		if time.Now().After(deadline) {
-			s.t.Fatalf("%s: not every machine is Healthy after %s; states %v (err %v)", what, bound, last, err)
-		}
-		select {
-		case <-ctx.Done():
-			s.t.Fatal(ctx.Err())
-		case <-time.After(time.Second):
-		}
-	}
-}
-
-// states counts the machines by the state the BMDB derives with the soak's
-// timeouts.
-func (s *soak) states(ctx context.Context) (map[string]int64, error) {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, s.directURL())
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	rows, err := conn.Query(ctx, "SELECT state, count(*) FROM machine_states($1, $2) GROUP BY state",
-		firstHeartbeatTimeout.Milliseconds(), heartbeatTimeout.Milliseconds())
-	if err != nil {
-		return nil, err
-	}
-	out := map[string]int64{}
-	for rows.Next() {
-		var st string
-		var n int64
-		if err := rows.Scan(&st, &n); err != nil {
-			return nil, err
-		}
-		out[st] = n
-	}
-	return out, rows.Err()
 }

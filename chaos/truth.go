@@ -117,18 +117,6 @@ func (t *Truth) Machine(id string) MachineTruth {
 	}
 }
 
-// IDs returns the machines something happened to.
-func (t *Truth) IDs() []string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	out := make([]string, 0, len(t.machines))
-	for id := range t.machines {
-		out = append(out, id)
-	}
-	slices.Sort(out)
-	return out
-}
-
 // LastAcks returns, per machine, the latest-sent heartbeat the server
 // acknowledged so far.
 func (t *Truth) LastAcks() map[string]Ack {
