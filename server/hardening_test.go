@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"strings"
@@ -254,20 +255,7 @@ func TestMaxConcurrentStreamsAdvertised(t *testing.T) {
 // promptly.
 func TestBlackholedDatabase(t *testing.T) {
 	t.Parallel()
-	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
-	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr, err := srv.Listen()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := context.WithCancel(context.Background())
-	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	e := &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}
+	e, proxy, stopServer := startBehindProxy(t)
 	id, key := e.machine()
 	c := e.client(id, key)
 	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: id.String()}); err != nil {
@@ -276,7 +264,7 @@ func TestBlackholedDatabase(t *testing.T) {
 
 	proxy.SetMode(tcpproxy.Blackhole)
 	rctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	_, err = c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id.String()}))
+	_, err := c.Heartbeat(rctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id.String()}))
 	cancel()
 	var cerr *connect.Error
 	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable {
@@ -286,16 +274,44 @@ func TestBlackholedDatabase(t *testing.T) {
 		t.Errorf("retry pushback %q, want \"300\"", got)
 	}
 
-	stop()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("the server did not stop while the database black-holes")
+	if err := stopServer(); err != nil {
+		t.Errorf("stopping while the database black-holes: %v", err)
 	}
 	proxy.SetMode(tcpproxy.Pass)
+}
+
+// startBehindProxy runs a callback server (flush timeout 1 s, retry
+// pushback 300 ms) whose database is reached through a proxy the test can
+// black-hole. stop ends it and returns Run's error, or an error if it has
+// not returned within a minute.
+func startBehindProxy(t *testing.T) (e *env, proxy *tcpproxy.Proxy, stop func() error) {
+	t.Helper()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := srv.Listen()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	stop = func() error {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				return fmt.Errorf("Run: %w", err)
+			}
+			return nil
+		case <-time.After(60 * time.Second):
+			return errors.New("the server did not stop within a minute")
+		}
+	}
+	return &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}, proxy, stop
 }
 
 func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
@@ -326,25 +342,13 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) fl
 // with a 15 s timeout rebooted a healthy machine).
 func TestDatabaseOutageIsNotSilence(t *testing.T) {
 	t.Parallel()
-	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	e, proxy, stopServer := startBehindProxy(t)
+	db := e.db
 	direct, err := bmdb.Open(t.Context(), bmdb.Config{URL: db.URL})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer direct.Close()
-	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr, err := srv.Listen()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := context.WithCancel(context.Background())
-	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	e := &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}
 	id, key := e.machine()
 	c := e.client(id, key)
 	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: id.String()}); err != nil {
@@ -392,13 +396,7 @@ func TestDatabaseOutageIsNotSilence(t *testing.T) {
 		t.Errorf("right after the outage: %d candidates, want 0 until a heartbeat timeout of good recording has passed", n)
 	}
 
-	stop()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("the server did not stop")
+	if err := stopServer(); err != nil {
+		t.Error(err)
 	}
 }
