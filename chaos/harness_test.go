@@ -22,6 +22,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/internal/devpki"
+	"github.com/shepherd/shepherd/internal/localport"
 	"github.com/shepherd/shepherd/internal/pgserver"
 	"github.com/shepherd/shepherd/internal/sshtest"
 	"github.com/shepherd/shepherd/internal/sshx"
@@ -358,12 +359,12 @@ func (s *soak) startProcesses(dataDir, cfgPath string) {
 }
 
 func freeAddr(t testing.TB) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	// A killed process listens on it again: below the ephemeral range.
+	port, err := localport.Free(localport.Low, localport.High)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return fmt.Sprintf("127.0.0.1:%d", port)
 }
 
 func (p *proc) start() error {

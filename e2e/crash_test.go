@@ -16,6 +16,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/localport"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/provider/sim"
 )
@@ -160,12 +161,14 @@ func TestCrashMidTakeover(t *testing.T) {
 	}
 }
 
+// freePort returns a port for a listener the command under test opens
+// itself, and opens again on a restart: below the ephemeral range (see
+// package localport).
 func freePort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := localport.Free(localport.Low, localport.High)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return port
 }

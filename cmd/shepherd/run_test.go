@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/localport"
 	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 )
@@ -96,15 +96,15 @@ func TestRunUpdater(t *testing.T) {
 }
 
 // freeAddr returns a loopback address with a port that was free a moment
-// ago, for a listener the command under test opens itself.
+// ago, for a listener the command under test opens itself (below the
+// ephemeral range, see package localport).
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := localport.Free(localport.Low, localport.High)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return fmt.Sprintf("127.0.0.1:%d", port)
 }
 
 // TestRunSuspectFractionZero runs the provisioner with --suspect-fraction 0

@@ -16,6 +16,14 @@ import (
 	"net"
 )
 
+// Low and High bound the ports below Linux's default ephemeral range that
+// test servers use; packages that pick many (sshtest, pgserver) keep to
+// parts of it so as not to race each other.
+const (
+	Low  = 20000
+	High = 32767
+)
+
 // Free returns a port in [lo, hi] that was free on 127.0.0.1 when it was
 // tried. Another process may still take it before the caller binds it:
 // callers retry with a new port when their bind fails.
