@@ -584,26 +584,36 @@ func TestReportsResent(t *testing.T) {
 }
 
 // TestObserverRefused checks that HeartbeatRefused reports the server's
-// errors with their code, and never a transport failure.
+// errors with their code, and HeartbeatFailed, never HeartbeatRefused, a
+// transport failure.
 func TestObserverRefused(t *testing.T) {
 	t.Parallel()
-	cb := newCallback(t, func(int, *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
-		return nil, connect.NewError(connect.CodePermissionDenied, errors.New("decommissioned"))
-	})
+	// The real callback server, which refuses an agent whose key the BMDB
+	// does not hold: this takeover is never recorded as AgentStarted.
+	e := newEnv(t, 100*time.Millisecond)
 	rec := &recorder{}
 	f := startFleet(t, sim.Config{Machines: 2, Observer: rec})
 	refusedID, unreachable := slotID(1), slotID(2)
 	if err := f.Provision(refusedID, unreachable); err != nil {
 		t.Fatal(err)
 	}
-	machine := newMachineID()
-	pipeTakeover(t, f, refusedID, cb, machine)
+	mid := e.addMachine(t, f, refusedID)
+	machine := mid.String()
+	c, _ := mustDial(t, f, refusedID)
+	raw, err := proto.Marshal(e.init(mid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp := execTakeover(t, c, raw); resp.GetSuccess() == nil {
+		t.Fatalf("takeover: %v", resp)
+	}
+	c.Close()
 	bmdbtest.WaitFor(t, 30*time.Second, "refusals are observed", func(context.Context) (bool, error) {
 		return len(rec.refusals()) >= 2, nil
 	})
 	for _, r := range rec.refusals() {
-		if r.id != refusedID || r.machine != machine || r.code != connect.CodePermissionDenied || r.sent.IsZero() {
-			t.Errorf("HeartbeatRefused(%+v), want %s, %s, PermissionDenied", r, refusedID, machine)
+		if r.id != refusedID || r.machine != machine || r.code != connect.CodeUnauthenticated || r.sent.IsZero() {
+			t.Errorf("HeartbeatRefused(%+v), want %s, %s, Unauthenticated", r, refusedID, machine)
 		}
 	}
 	if a := rec.acks(refusedID); len(a) != 0 {
@@ -614,7 +624,7 @@ func TestObserverRefused(t *testing.T) {
 	ln := newListener(t)
 	dead := ln.Addr().String()
 	ln.Close()
-	raw, err := proto.Marshal(&agentv1.TakeoverInit{MachineId: newMachineID(), ServerEndpoint: dead, CaCertificate: cb.ca})
+	raw, err = proto.Marshal(&agentv1.TakeoverInit{MachineId: newMachineID(), ServerEndpoint: dead, CaCertificate: e.ca})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -622,19 +632,15 @@ func TestObserverRefused(t *testing.T) {
 	if resp := execTakeover(t, cl, raw); resp.GetSuccess() == nil {
 		t.Fatalf("takeover: %v", resp)
 	}
-	failed := f.Stats().HeartbeatsFailed
-	bmdbtest.WaitFor(t, 30*time.Second, "heartbeats to a dead server fail", func(context.Context) (bool, error) {
-		return f.Stats().HeartbeatsFailed >= failed+3, nil
+	// Stats count refusals as failures too: wait for the observer itself.
+	bmdbtest.WaitFor(t, 30*time.Second, "unanswered heartbeats are observed", func(context.Context) (bool, error) {
+		return len(rec.failures(unreachable)) >= 3, nil
 	})
 	for _, r := range rec.refusals() {
 		if r.id == unreachable {
 			t.Errorf("HeartbeatRefused(%+v) for a transport failure", r)
 		}
 	}
-	// Stats count refusals as failures too: wait for the observer itself.
-	bmdbtest.WaitFor(t, 30*time.Second, "unanswered heartbeats are observed", func(context.Context) (bool, error) {
-		return len(rec.failures(unreachable)) >= 3, nil
-	})
 	if got := rec.failures(unreachable); got[0].sent.IsZero() || got[0].machine == "" {
 		t.Errorf("HeartbeatFailed calls %+v for heartbeats to a dead server, want their machine and time", got)
 	}
