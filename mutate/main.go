@@ -1,0 +1,276 @@
+// Command mutate runs mutation testing (gremlins) on Shepherd's packages and
+// judges the result: it prints every mutant that lived and is not recorded in
+// mutate/equivalent.txt as changing no behaviour, and one figure line per
+// package in the bench format:
+//
+//	R mutate pkg=server efficacy=97.1 mcover=85.3 killed=101 lived=3 equivalent=2 not_covered=18 timed_out=0 not_viable=1
+//
+// Efficacy counts equivalent mutants out; mcover is the share of mutants the
+// package's own tests reach. It exits 1 when a mutant lives unexplained or an
+// entry of the equivalent list no longer matches the source. Run it with
+// `make mutate` (every package below), `make mutate PKG=server`, or
+// `make mutate DIFF=main` to mutate only the lines changed since a git ref.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"syscall"
+)
+
+// target is a package under mutation testing and the part of it that is.
+type target struct {
+	// dir is the package directory from the repository root.
+	dir string
+	// only, when set, limits mutation to these files of dir.
+	only []string
+	// run, when set, is the -run pattern of the tests that judge the
+	// mutants (and measure coverage): those that exercise the mutated files.
+	run string
+}
+
+// targets are the packages whose tests issue 16 holds to efficacy >= 95 %
+// and coverage >= 80 %. A change to one of them is made with its mutants run.
+var targets = []target{
+	{dir: "server"},
+	{dir: "manager"},
+	{dir: "internal/sshx"},
+	{dir: "agent/install"},
+	{dir: "provider/static"},
+	{dir: "bmdb", only: []string{"backoff.go", "session.go", "work.go"}},
+}
+
+// Goals printed next to each figure (never a reason to fail by
+// themselves: a run on a diff mutates too little for a percentage).
+const (
+	goalEfficacy = 95.0
+	goalCoverage = 80.0
+)
+
+type config struct {
+	gremlins    string
+	diff        string
+	workers     int
+	coefficient int
+	equivalents string
+	pkgs        []string
+}
+
+func main() {
+	var c config
+	flag.StringVar(&c.gremlins, "gremlins", "", "path of the gremlins binary (make mutate builds the pinned one)")
+	flag.StringVar(&c.diff, "diff", "", "mutate only the lines changed since this git ref")
+	flag.IntVar(&c.workers, "workers", 1, "mutants tested at once (each runs a package's tests)")
+	flag.IntVar(&c.coefficient, "timeout-coefficient", 8, "a mutant's tests time out after this many times the unmutated run")
+	flag.StringVar(&c.equivalents, "equivalents", "mutate/equivalent.txt", "the list of mutants that change no behaviour")
+	flag.Parse()
+	c.pkgs = flag.Args()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ok, err := run(ctx, c, os.Stdout)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mutate:", err)
+		os.Exit(2)
+	}
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// check says what is wrong with a configuration.
+func (c config) check() error {
+	switch {
+	case c.gremlins == "":
+		return errors.New("-gremlins is required")
+	case c.workers < 1:
+		return fmt.Errorf("-workers %d: want at least 1", c.workers)
+	case c.coefficient < 1:
+		return fmt.Errorf("-timeout-coefficient %d: want at least 1", c.coefficient)
+	}
+	return nil
+}
+
+// chosen returns the targets named on the command line (all when none is);
+// a package not in the table is mutated whole.
+func chosen(pkgs []string) []target {
+	if len(pkgs) == 0 {
+		return targets
+	}
+	var out []target
+	for _, p := range pkgs {
+		p = path.Clean(strings.TrimPrefix(filepath.ToSlash(p), "./"))
+		i := slices.IndexFunc(targets, func(t target) bool { return t.dir == p })
+		if i >= 0 {
+			out = append(out, targets[i])
+		} else {
+			out = append(out, target{dir: p})
+		}
+	}
+	return out
+}
+
+// run mutates each chosen package and reports; ok is false when a mutant
+// lives unexplained or the equivalent list is stale.
+func run(ctx context.Context, c config, w io.Writer) (ok bool, err error) {
+	if err := c.check(); err != nil {
+		return false, err
+	}
+	if _, err := os.Stat("go.mod"); err != nil {
+		return false, errors.New("run from the repository root (no go.mod here)")
+	}
+	f, err := os.Open(c.equivalents)
+	if err != nil {
+		return false, err
+	}
+	eqs, err := parseEquivalents(f, c.equivalents)
+	f.Close()
+	if err != nil {
+		return false, err
+	}
+	tmp, err := os.MkdirTemp("", "shepherd-mutate-")
+	if err != nil {
+		return false, err
+	}
+	defer os.RemoveAll(tmp)
+
+	ok = true
+	var figures []string
+	for _, t := range chosen(c.pkgs) {
+		out := filepath.Join(tmp, strings.ReplaceAll(t.dir, "/", "_")+".json")
+		if err := unleash(ctx, c, t, out, w); err != nil {
+			return false, fmt.Errorf("mutating %s: %w", t.dir, err)
+		}
+		rf, err := os.Open(out)
+		if err != nil {
+			return false, fmt.Errorf("mutating %s: %w", t.dir, err)
+		}
+		res, err := decode(rf)
+		rf.Close()
+		if err != nil {
+			return false, fmt.Errorf("mutating %s: %w", t.dir, err)
+		}
+		tl, err := count(res, t.dir, eqs, readLines)
+		if err != nil {
+			return false, fmt.Errorf("mutating %s: %w", t.dir, err)
+		}
+		stale, unused, err := audit(t, eqs, tl, readLines)
+		if err != nil {
+			return false, err
+		}
+		for _, s := range tl.Survivors {
+			fmt.Fprintf(w, "LIVED %s at %s:%d:%d  %s\n", s.Type, s.File, s.Line, s.Column, s.Source)
+		}
+		if tl.TimedOut > 0 {
+			fmt.Fprintf(w, "mutate: %d mutants of %s timed out (counted neither killed nor lived); on a busy machine, rerun with a larger -timeout-coefficient\n", tl.TimedOut, t.dir)
+		}
+		for _, e := range stale {
+			fmt.Fprintf(w, "STALE %s: %s %s no longer has the line %q\n", e.At, e.Type, e.File, e.Source)
+		}
+		// Only a whole run can tell that an entry's mutant no longer lives.
+		if c.diff == "" {
+			for _, e := range unused {
+				fmt.Fprintf(w, "UNUSED %s: %s at %s %q did not live; remove the entry\n", e.At, e.Type, e.File, e.Source)
+			}
+		}
+		if len(tl.Survivors) > 0 || len(stale) > 0 {
+			ok = false
+		}
+		figures = append(figures, fmt.Sprintf("R mutate pkg=%s efficacy=%.1f mcover=%.1f killed=%d lived=%d equivalent=%d not_covered=%d timed_out=%d not_viable=%d goal_efficacy=%.0f goal_mcover=%.0f",
+			t.dir, tl.Efficacy(), tl.Coverage(), tl.Killed, tl.Lived, tl.Equivalent, tl.NotCovered, tl.TimedOut, tl.NotViable, goalEfficacy, goalCoverage))
+	}
+	// The figures come last, together, where a reader of a long run looks.
+	for _, f := range figures {
+		fmt.Fprintln(w, f)
+	}
+	return ok, nil
+}
+
+// audit finds the equivalent entries of t's files that name a line the
+// source no longer has (stale) and those no lived mutant matched (unused).
+func audit(t target, eqs []equivalent, tl tally, lines sourceLines) (stale, unused []equivalent, err error) {
+	for _, e := range eqs {
+		if !inScope(t, e.File) {
+			continue
+		}
+		src, err := lines(e.File)
+		if errors.Is(err, os.ErrNotExist) {
+			stale = append(stale, e)
+			continue
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("checking %s: %w", e.At, err)
+		}
+		if !slices.ContainsFunc(src, func(l string) bool { return strings.TrimSpace(l) == e.Source }) {
+			stale = append(stale, e)
+			continue
+		}
+		if !tl.Used[e.key()] {
+			unused = append(unused, e)
+		}
+	}
+	return stale, unused, nil
+}
+
+// inScope says whether file (from the repository root) is mutated by t.
+func inScope(t target, file string) bool {
+	dir, name := path.Split(file)
+	if path.Clean(dir) != t.dir {
+		return false
+	}
+	return len(t.only) == 0 || slices.Contains(t.only, name)
+}
+
+// unleash runs gremlins on one target, its progress going to w and its
+// results to out.
+func unleash(ctx context.Context, c config, t target, out string, w io.Writer) error {
+	args := []string{"unleash",
+		"--workers", fmt.Sprint(c.workers),
+		"--timeout-coefficient", fmt.Sprint(c.coefficient),
+		"--output", out,
+		// Mutants of subpackages would be judged by the subpackages'
+		// own tests: they are not this target's.
+		"--exclude-files", "/",
+	}
+	if len(t.only) > 0 {
+		names, err := filepath.Glob(filepath.Join(t.dir, "*.go"))
+		if err != nil {
+			return err
+		}
+		for _, n := range names {
+			base := filepath.Base(n)
+			if !strings.HasSuffix(base, "_test.go") && !slices.Contains(t.only, base) {
+				args = append(args, "--exclude-files", "^"+regexp.QuoteMeta(base)+"$")
+			}
+		}
+	}
+	if c.diff != "" {
+		args = append(args, "--diff", c.diff)
+	}
+	args = append(args, "./"+t.dir)
+	cmd := exec.CommandContext(ctx, c.gremlins, args...)
+	cmd.Stdout, cmd.Stderr = w, w
+	// A cached coverage run would take no time, and gremlins times each
+	// mutant out at a multiple of it: every test run must really run.
+	goflags := os.Getenv("GOFLAGS") + " -count=1"
+	if t.run != "" {
+		goflags += " -run=" + t.run
+	}
+	cmd.Env = append(os.Environ(), "GOFLAGS="+strings.TrimSpace(goflags))
+	fmt.Fprintf(w, "mutate: %s %s\n", c.gremlins, strings.Join(args, " "))
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("gremlins: %w", err)
+	}
+	return nil
+}
