@@ -196,7 +196,7 @@ func (s *soak) apply(ctx context.Context, f Fault) {
 		h.SetHostKeys(s.t, old)
 		mu.Unlock()
 	case HostileClient:
-		s.runHostile(ctx, f)
+		ok = s.runHostile(ctx, f)
 	}
 	s.rec.note(func(r *record) {
 		if ok {
@@ -380,14 +380,28 @@ func (s *soak) checkAcks(ctx context.Context, what, url string, before map[strin
 
 // runHostile runs the hostile client against one callback server while the
 // agents of its targets hang, and samples the targets' heartbeats: only
-// honest heartbeats may ever explain them (I8).
-func (s *soak) runHostile(ctx context.Context, f Fault) {
+// honest heartbeats may ever explain them (I8). It returns false, the fault
+// skipped, when the targets could not be looked up while it lasted.
+func (s *soak) runHostile(ctx context.Context, f Fault) bool {
 	hctx, cancel := context.WithTimeout(ctx, f.For)
 	defer cancel()
-	ids, err := s.machineIDs(hctx, f.Machines)
-	if err != nil {
-		s.failf("hostile client: looking up its targets: %v", err)
-		return
+	// The lookup goes straight to the primary, which another fault may be
+	// restarting or failing over (a 10-minute soak met a connect timeout
+	// there): try again until the fault's time is up.
+	var ids []string
+	for {
+		lctx, lcancel := context.WithTimeout(hctx, 5*time.Second)
+		var err error
+		ids, err = s.machineIDs(lctx, f.Machines)
+		lcancel()
+		if err == nil {
+			break
+		}
+		if hctx.Err() != nil {
+			s.logf("hostile client: its targets could not be looked up while it lasted: %v", err)
+			return false
+		}
+		hold(hctx, 500*time.Millisecond)
 	}
 	for _, m := range f.Machines {
 		_ = s.fleet.Silence(s.simIDs[m])
@@ -415,6 +429,7 @@ func (s *soak) runHostile(ctx context.Context, f Fault) {
 		r.hostile = append(r.hostile, res)
 		r.hostileWindows = append(r.hostileWindows, window{began, time.Now()})
 	})
+	return true
 }
 
 // machineIDs returns the BMDB ids of simulated machines.
