@@ -34,18 +34,23 @@ func TestInstallRequest(t *testing.T) {
 		return []string{"install", "request", "--database-url", db.URL, "--machine", machine,
 			"--image-url", url, "--sha256", sum, "--target-device", target}
 	}
-	for name, a := range map[string][]string{
-		"machine not a uuid": args("m1", "https://img.example/os.img", sha, "/dev/sda"),
-		"unknown machine":    args(uuid.NewString(), "https://img.example/os.img", sha, "/dev/sda"),
-		"ftp url":            args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"),
-		"short sha256":       args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"),
-		"relative target":    args(m.String(), "https://img.example/os.img", sha, "sda"),
-		"missing flag":       {"install", "request", "--database-url", db.URL, "--machine", m.String()},
+	unknown := uuid.NewString()
+	// Each refusal names what is wrong and where, as the operator reads it
+	// after "shepherd: ".
+	for name, c := range map[string]struct {
+		args []string
+		want string
+	}{
+		"machine not a uuid": {args("m1", "https://img.example/os.img", sha, "/dev/sda"), `--machine "m1" is not a machine id (a UUID)`},
+		"unknown machine":    {args(unknown, "https://img.example/os.img", sha, "/dev/sda"), "machine " + unknown + " does not exist or is not provided"},
+		"ftp url":            {args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"), `image_url must be an http or https URL, got scheme "ftp"`},
+		"short sha256":       {args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"), "image_sha256 must be 64 hexadecimal characters, got 3 characters"},
+		"relative target":    {args(m.String(), "https://img.example/os.img", sha, "sda"), `target_device must be an absolute path, got "sda"`},
+		"missing flag": {[]string{"install", "request", "--database-url", db.URL, "--machine", m.String()},
+			`required flag(s) "image-url", "sha256", "target-device" not set`},
 	} {
-		if out, err := run(t, a...); err == nil {
-			t.Errorf("%s: accepted:\n%s", name, out)
-		} else {
-			t.Logf("%s: %v", name, err)
+		if out, err := run(t, c.args...); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q:\n%s", name, err, c.want, out)
 		}
 	}
 	// Targets that cannot be a device, refused with what is wrong.
