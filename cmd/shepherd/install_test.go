@@ -109,18 +109,13 @@ func TestRunServer(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close()
 	dataDir := t.TempDir()
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() {
-		cmd := newRootCommand()
-		cmd.SetArgs([]string{"run", "--components", "server", "--database-url", db.URL,
-			"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn"})
-		done <- cmd.ExecuteContext(ctx)
-	}()
+	cmd := startCommand(t, "run", "--components", "server", "--database-url", db.URL,
+		"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn")
 	// Wait for the development CA, then for the listener.
 	caPath := filepath.Join(dataDir, "pki", devpki.CACertFile)
 	var ca *x509.Certificate
 	bmdbtest.WaitFor(t, 20*time.Second, "server up", func(ctx context.Context) (bool, error) {
+		cmd.running(t)
 		data, err := os.ReadFile(caPath)
 		if err != nil {
 			return false, err
@@ -144,12 +139,9 @@ func TestRunServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = agent.NewCallbackClient(addr, tlsCfg).Heartbeat(ctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id}))
+	_, err = agent.NewCallbackClient(addr, tlsCfg).Heartbeat(t.Context(), connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id}))
 	if connect.CodeOf(err) != connect.CodeUnauthenticated {
 		t.Errorf("heartbeat of an unknown machine: %v, want Unauthenticated", err)
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("shepherd run: %v", err)
-	}
+	cmd.stop(t)
 }
