@@ -88,10 +88,9 @@ func (s *pipeServer) serve(conn net.Conn) {
 	}
 }
 
-// silentAfter serves a session by answering its requests up to the exec
-// request with answer, and then saying nothing more: a machine that
-// stopped answering (it reset) once it saw the command, having confirmed
-// it (answer true) or not yet (answer is never sent).
+// silentAfter serves a session until its exec request, and then says
+// nothing more: a machine that stopped answering (it reset) once it saw
+// the command, having confirmed that it started it (confirm) or not yet.
 func silentAfter(confirm bool) func(ssh.Channel, <-chan *ssh.Request) {
 	return func(ch ssh.Channel, reqs <-chan *ssh.Request) {
 		for req := range reqs {
@@ -134,7 +133,7 @@ func TestDialTimeoutIsDeadlineExceeded(t *testing.T) {
 		if c != nil {
 			c.Close()
 		}
-		if !errors.Is(err, context.DeadlineExceeded) || !strings.HasPrefix(fmt2(err), "ssh pipe: handshake: context deadline exceeded: ") {
+		if !errors.Is(err, context.DeadlineExceeded) || !strings.HasPrefix(errText(err), "ssh pipe: handshake: context deadline exceeded: ") {
 			t.Errorf("Dial to a silent server: %v, want DeadlineExceeded in the handshake", err)
 		}
 		if took := time.Since(start); took != 200*time.Millisecond {
@@ -156,7 +155,7 @@ func TestDialCanceled(t *testing.T) {
 		}
 		// The handshake's own error follows the context's, so that the
 		// message says where the handshake stood.
-		if msg := fmt2(err); !strings.HasPrefix(msg, "ssh pipe: handshake: context canceled: ") || strings.Contains(msg, "%!") {
+		if msg := errText(err); !strings.HasPrefix(msg, "ssh pipe: handshake: context canceled: ") || strings.Contains(msg, "%!") {
 			t.Errorf("canceled Dial says %q", msg)
 		}
 		if took := time.Since(start); took != time.Second {
@@ -165,8 +164,8 @@ func TestDialCanceled(t *testing.T) {
 	})
 }
 
-// fmt2 is err's message, or "" for nil.
-func fmt2(err error) string {
+// errText is err's message, or "" for nil.
+func errText(err error) string {
 	if err == nil {
 		return ""
 	}
@@ -200,7 +199,7 @@ func TestRunReturnsAtDeadline(t *testing.T) {
 				start := time.Now()
 				_, err = Run(ctx, c, "reboot", nil, 1024)
 				if !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrNotStarted) != tc.notStarted ||
-					!strings.HasPrefix(fmt2(err), tc.want) {
+					!strings.HasPrefix(errText(err), tc.want) {
 					t.Errorf("Run: %v, want DeadlineExceeded, ErrNotStarted %v, and a message beginning %q", err, tc.notStarted, tc.want)
 				}
 				if took := time.Since(start); took != 2*time.Second {
