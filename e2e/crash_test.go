@@ -138,7 +138,7 @@ func TestCrashMidTakeover(t *testing.T) {
 		live := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE process = 'AgentStart'")
 		return n >= machines/3 && live > 0, nil
 	})
-	first.kill()
+	first.kill(t)
 	abandoned := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work")
 	if abandoned == 0 {
 		t.Fatal("no work in flight when the process died; the test proves nothing")

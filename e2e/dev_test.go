@@ -46,9 +46,8 @@ func TestDev(t *testing.T) {
 					t.Fatalf("no %q within 60 s", want)
 				}
 				select {
-				case err := <-p.done:
-					p.done <- err
-					t.Fatalf("shepherd dev exited early: %v", err)
+				case <-p.exited:
+					p.exitedEarly(t)
 				case <-time.After(50 * time.Millisecond):
 				}
 			}
@@ -58,14 +57,8 @@ func TestDev(t *testing.T) {
 			if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
 				t.Fatal(err)
 			}
-			select {
-			case err := <-p.done:
-				p.done <- err
-				if err != nil {
-					t.Errorf("shepherd dev after Ctrl-C: %v", err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("shepherd dev did not stop within 30 s of Ctrl-C")
+			if err := p.wait(t, 30*time.Second, "after Ctrl-C"); err != nil {
+				t.Errorf("shepherd dev after Ctrl-C: %s, want a clean exit (status 0)", exitStatus(err))
 			}
 			if !strings.Contains(p.output(), "stopped, PostgreSQL included") {
 				t.Errorf("shepherd dev did not report stopping PostgreSQL:\n%s", p.output())

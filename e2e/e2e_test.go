@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -67,10 +68,14 @@ func binaries(t *testing.T) string {
 
 // process is a running shepherd binary.
 type process struct {
-	cmd  *exec.Cmd
-	log  *bytes.Buffer
-	mu   *sync.Mutex
-	done chan error
+	cmd    *exec.Cmd
+	log    *bytes.Buffer
+	mu     *sync.Mutex
+	exited chan struct{} // closed once the process exited, after err is set
+	err    error         // cmd.Wait's: nil for status 0
+	// handled is set when the test itself ends the process or judges how
+	// it ended (kill, wait): stop leaves the exit to it.
+	handled atomic.Bool
 }
 
 type lockedBuffer struct {
@@ -84,11 +89,12 @@ func (b lockedBuffer) Write(p []byte) (int, error) {
 	return b.buf.Write(p)
 }
 
-// startShepherd runs `shepherd args...` until the test ends (SIGTERM, then
-// SIGKILL) and keeps its output for failure messages.
+// startShepherd runs `shepherd args...` until the test ends, and keeps its
+// output for failure messages. At the end of the test stop ends it with
+// SIGTERM and fails the test if it did not exit cleanly (see stop).
 func startShepherd(t *testing.T, args ...string) *process {
 	t.Helper()
-	p := &process{log: &bytes.Buffer{}, mu: &sync.Mutex{}, done: make(chan error, 1)}
+	p := &process{log: &bytes.Buffer{}, mu: &sync.Mutex{}, exited: make(chan struct{})}
 	p.cmd = exec.Command(filepath.Join(binaries(t), "shepherd"), args...)
 	w := lockedBuffer{mu: p.mu, buf: p.log}
 	p.cmd.Stdout, p.cmd.Stderr = w, w
@@ -96,9 +102,12 @@ func startShepherd(t *testing.T, args ...string) *process {
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	go func() { p.done <- p.cmd.Wait() }()
+	go func() {
+		p.err = p.cmd.Wait()
+		close(p.exited)
+	}()
 	t.Cleanup(func() {
-		p.stop(t)
+		p.stop(t, "shepherd "+strings.Join(args[:min(3, len(args))], " "))
 		if t.Failed() {
 			t.Logf("shepherd %s output:\n%s", strings.Join(args[:min(2, len(args))], " "), p.output())
 		}
@@ -112,25 +121,88 @@ func (p *process) output() string {
 	return p.log.String()
 }
 
-// stop ends the process with SIGTERM and waits for it (SIGKILL after 30 s).
-func (p *process) stop(t *testing.T) {
-	if p.cmd.ProcessState != nil {
+// stopTimeout bounds a clean shutdown after SIGTERM: every component's
+// own cleanup timeout is shorter.
+const stopTimeout = 30 * time.Second
+
+// stop ends the process with SIGTERM, unless the test handled its end
+// itself, and fails the test if the process had exited before (a crash),
+// exits with anything but status 0 (a crash or a failed shutdown), or is
+// still running stopTimeout after the signal (a hang at shutdown; it is
+// killed then).
+func (p *process) stop(t *testing.T, what string) {
+	t.Helper()
+	if p.handled.Load() {
 		return
 	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-p.done:
-	case <-time.After(30 * time.Second):
+	case <-p.exited:
+		t.Errorf("%s exited before the test stopped it: %v", what, exitStatus(p.err))
+		return
+	default:
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Errorf("sending SIGTERM to %s: %v", what, err)
+	}
+	select {
+	case <-p.exited:
+		if p.err != nil {
+			t.Errorf("%s exited with %v after SIGTERM, want a clean shutdown (status 0)", what, exitStatus(p.err))
+		}
+	case <-time.After(stopTimeout):
 		_ = p.cmd.Process.Kill()
-		<-p.done
-		t.Errorf("shepherd ignored SIGTERM for 30 s")
+		<-p.exited
+		t.Errorf("%s did not exit within %s of SIGTERM: it hangs at shutdown (killed)", what, stopTimeout)
+	}
+}
+
+// exitStatus describes how a process ended, from cmd.Wait's error.
+func exitStatus(err error) string {
+	if err == nil {
+		return "status 0"
+	}
+	return err.Error() // "exit status 1", "signal: killed"
+}
+
+// exitedEarly fails the test at once if the process has exited: it was
+// meant to run until the test stops it.
+func (p *process) exitedEarly(t *testing.T) {
+	t.Helper()
+	select {
+	case <-p.exited:
+		p.handled.Store(true)
+		t.Fatalf("shepherd exited early (%s)", exitStatus(p.err))
+	default:
+	}
+}
+
+// wait waits up to timeout for the process to exit, which the test
+// caused, and returns cmd.Wait's error for the test to judge; it fails the
+// test (and kills the process) if it still runs then.
+func (p *process) wait(t *testing.T, timeout time.Duration, what string) error {
+	t.Helper()
+	p.handled.Store(true)
+	select {
+	case <-p.exited:
+		return p.err
+	case <-time.After(timeout):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+		t.Fatalf("shepherd still ran %s %s (killed)", timeout, what)
+		return nil
 	}
 }
 
 // kill ends the process with SIGKILL, like a crash, and waits for it.
-func (p *process) kill() {
+func (p *process) kill(t *testing.T) {
+	t.Helper()
+	p.handled.Store(true)
 	_ = p.cmd.Process.Kill()
-	<-p.done
+	select {
+	case <-p.exited:
+	case <-time.After(stopTimeout):
+		t.Fatalf("shepherd still runs %s after SIGKILL", stopTimeout)
+	}
 }
 
 // waitStates polls the fleet's derived states until ok says they are right.

@@ -110,11 +110,7 @@ func TestFailover(t *testing.T) {
 		"--log-level", "warn")
 	running := func() {
 		t.Helper()
-		select {
-		case err := <-p.done:
-			t.Fatalf("shepherd run exited (%v):\n%s", err, p.output())
-		default:
-		}
+		p.exitedEarly(t)
 	}
 	healthy := func(what string, timeout time.Duration) {
 		t.Helper()

@@ -57,11 +57,7 @@ func TestSecondSignalExitsAtOnce(t *testing.T) {
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-p.done:
-	case <-time.After(time.Minute):
-		t.Fatalf("shepherd still runs a minute after the second SIGTERM:\n%s", p.output())
-	}
+	_ = p.wait(t, time.Minute, "after the second SIGTERM")
 	if code := p.cmd.ProcessState.ExitCode(); code != 128+int(syscall.SIGTERM) {
 		t.Errorf("exit status %d, want %d", code, 128+int(syscall.SIGTERM))
 	}
@@ -116,9 +112,7 @@ func TestSIGHUPReloadsInventory(t *testing.T) {
 	if out := p.output(); !strings.Contains(out, inv+`:3: machine \"m2\": unknown field \"adress\"`) {
 		t.Errorf("the failed reload does not name FILE:LINE:\n%s", out)
 	}
-	if p.cmd.ProcessState != nil {
-		t.Fatalf("shepherd exited on SIGHUP:\n%s", p.output())
-	}
+	p.exitedEarly(t)
 	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_provided WHERE provider = 'lab' AND provider_status = 'Missing'"); n != 0 {
 		t.Errorf("%d machines marked Missing after a broken inventory", n)
 	}

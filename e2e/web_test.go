@@ -87,9 +87,8 @@ func waitOutput(t *testing.T, p *process, re *regexp.Regexp, timeout time.Durati
 			t.Fatalf("no %q in the output within %s", re, timeout)
 		}
 		select {
-		case err := <-p.done:
-			p.done <- err
-			t.Fatalf("shepherd exited early: %v", err)
+		case <-p.exited:
+			p.exitedEarly(t)
 		case <-time.After(50 * time.Millisecond):
 		}
 	}

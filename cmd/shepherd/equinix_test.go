@@ -193,8 +193,8 @@ func TestEquinixCLIDeleteForeign(t *testing.T) {
 	if _, err := cli("db-2\n", "--yes", "devices", "delete", "--include-foreign", db1); err == nil || !strings.Contains(err.Error(), "nothing deleted") {
 		t.Errorf("delete with the wrong hostname typed: %v, want a refusal", err)
 	}
-	if _, err := cli("", "--yes", "devices", "delete", "--include-foreign", db1); err == nil {
-		t.Error("delete with no hostname typed succeeded")
+	if _, err := cli("", "--yes", "devices", "delete", "--include-foreign", db1); err == nil || !strings.Contains(err.Error(), "nothing deleted") {
+		t.Errorf("delete with no hostname typed: %v, want a refusal", err)
 	}
 	if !exists(db1) {
 		t.Fatal("a foreign device was deleted without its hostname typed")

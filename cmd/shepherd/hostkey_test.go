@@ -52,21 +52,26 @@ func TestMachineHostKeyAccept(t *testing.T) {
 		t.Errorf("machine show --output json: %v\n%s", err, out)
 	}
 
-	for name, args := range map[string][]string{
-		"no fingerprint":        {"machine", "host-key", "accept", m.String()},
-		"not a fingerprint":     {"machine", "host-key", "accept", m.String(), "--fingerprint", "MD5:00:11"},
-		"another fingerprint":   {"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(sshtest.NewKey(t).PublicKey())},
-		"the recorded key's":    {"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(old)},
-		"not a uuid":            {"machine", "host-key", "accept", "m-1", "--fingerprint", fp},
-		"unknown machine":       {"machine", "host-key", "accept", uuid.NewString(), "--fingerprint", fp},
-		"machine without a key": {"machine", "host-key", "accept", bmdbtest.AddMachine(t, db, s, "p").String(), "--fingerprint", fp},
+	other, unknown, keyless := ssh.FingerprintSHA256(sshtest.NewKey(t).PublicKey()), uuid.NewString(), bmdbtest.AddMachine(t, db, s, "p").String()
+	presented := "machine " + m.String() + ": bmdb: the SSH host key the machine presented has another fingerprint: it presented " + fp + ", not "
+	for name, c := range map[string]struct {
+		args []string
+		want string // in the error the operator is shown
+	}{
+		"no fingerprint":    {[]string{"machine", "host-key", "accept", m.String()}, "--fingerprint is required"},
+		"not a fingerprint": {[]string{"machine", "host-key", "accept", m.String(), "--fingerprint", "MD5:00:11"}, `--fingerprint "MD5:00:11" is not an SSH key's SHA-256 fingerprint`},
+		"another fingerprint": {[]string{"machine", "host-key", "accept", m.String(), "--fingerprint", other},
+			presented + other + "; nothing changed: check the key it presents now (shepherd machine show " + m.String() + ")"},
+		"the recorded key's": {[]string{"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(old)},
+			presented + ssh.FingerprintSHA256(old) + "; nothing changed"},
+		"not a uuid":            {[]string{"machine", "host-key", "accept", "m-1", "--fingerprint", fp}, `machine id "m-1" is not a UUID`},
+		"unknown machine":       {[]string{"machine", "host-key", "accept", unknown, "--fingerprint", fp}, "machine " + unknown + " does not exist"},
+		"machine without a key": {[]string{"machine", "host-key", "accept", keyless, "--fingerprint", fp}, "machine " + keyless + " has no SSH host key recorded: there is nothing to replace"},
 	} {
-		out, err := run(t, append(args, "--database-url", db.URL)...)
-		if err == nil {
-			t.Errorf("%s: accepted:\n%s", name, out)
-			continue
+		out, err := run(t, append(c.args, "--database-url", db.URL)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q\n%s", name, err, c.want, out)
 		}
-		t.Logf("%s: %v", name, err)
 	}
 	if n := historyCount(t, db); n != before {
 		t.Fatalf("refused accepts wrote %d history rows", n-before)

@@ -34,18 +34,23 @@ func TestInstallRequest(t *testing.T) {
 		return []string{"install", "request", "--database-url", db.URL, "--machine", machine,
 			"--image-url", url, "--sha256", sum, "--target-device", target}
 	}
-	for name, a := range map[string][]string{
-		"machine not a uuid": args("m1", "https://img.example/os.img", sha, "/dev/sda"),
-		"unknown machine":    args(uuid.NewString(), "https://img.example/os.img", sha, "/dev/sda"),
-		"ftp url":            args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"),
-		"short sha256":       args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"),
-		"relative target":    args(m.String(), "https://img.example/os.img", sha, "sda"),
-		"missing flag":       {"install", "request", "--database-url", db.URL, "--machine", m.String()},
+	unknown := uuid.NewString()
+	// Each refusal names what is wrong and where, as the operator reads it
+	// after "shepherd: ".
+	for name, c := range map[string]struct {
+		args []string
+		want string
+	}{
+		"machine not a uuid": {args("m1", "https://img.example/os.img", sha, "/dev/sda"), `--machine "m1" is not a machine id (a UUID)`},
+		"unknown machine":    {args(unknown, "https://img.example/os.img", sha, "/dev/sda"), "machine " + unknown + " does not exist or is not provided"},
+		"ftp url":            {args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"), `image_url must be an http or https URL, got scheme "ftp"`},
+		"short sha256":       {args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"), "image_sha256 must be 64 hexadecimal characters, got 3 characters"},
+		"relative target":    {args(m.String(), "https://img.example/os.img", sha, "sda"), `target_device must be an absolute path, got "sda"`},
+		"missing flag": {[]string{"install", "request", "--database-url", db.URL, "--machine", m.String()},
+			`required flag(s) "image-url", "sha256", "target-device" not set`},
 	} {
-		if out, err := run(t, a...); err == nil {
-			t.Errorf("%s: accepted:\n%s", name, out)
-		} else {
-			t.Logf("%s: %v", name, err)
+		if out, err := run(t, c.args...); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q:\n%s", name, err, c.want, out)
 		}
 	}
 	// Targets that cannot be a device, refused with what is wrong.
@@ -104,18 +109,13 @@ func TestRunServer(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close()
 	dataDir := t.TempDir()
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() {
-		cmd := newRootCommand()
-		cmd.SetArgs([]string{"run", "--components", "server", "--database-url", db.URL,
-			"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn"})
-		done <- cmd.ExecuteContext(ctx)
-	}()
+	cmd := startCommand(t, "run", "--components", "server", "--database-url", db.URL,
+		"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn")
 	// Wait for the development CA, then for the listener.
 	caPath := filepath.Join(dataDir, "pki", devpki.CACertFile)
 	var ca *x509.Certificate
 	bmdbtest.WaitFor(t, 20*time.Second, "server up", func(ctx context.Context) (bool, error) {
+		cmd.running(t)
 		data, err := os.ReadFile(caPath)
 		if err != nil {
 			return false, err
@@ -139,12 +139,9 @@ func TestRunServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = agent.NewCallbackClient(addr, tlsCfg).Heartbeat(ctx, connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id}))
+	_, err = agent.NewCallbackClient(addr, tlsCfg).Heartbeat(t.Context(), connect.NewRequest(&agentv1.HeartbeatRequest{MachineId: id}))
 	if connect.CodeOf(err) != connect.CodeUnauthenticated {
 		t.Errorf("heartbeat of an unknown machine: %v, want Unauthenticated", err)
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("shepherd run: %v", err)
-	}
+	cmd.stop(t)
 }

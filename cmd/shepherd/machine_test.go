@@ -152,21 +152,20 @@ func TestMachineReset(t *testing.T) {
 	}
 
 	before := historyCount(t, db)
-	for name, args := range map[string][]string{
-		"not a uuid":      {"machine", "reset", "m-1", "--process", "AgentStart"},
-		"unknown process": {"machine", "reset", m.String(), "--process", "Reboot"},
-		"no process":      {"machine", "reset", m.String()},
-		"unknown machine": {"machine", "reset", uuid.NewString(), "--process", "AgentStart"},
-		"no backoff":      {"machine", "reset", m.String(), "--process", "Recovery"},
+	unknown := uuid.NewString()
+	for name, c := range map[string]struct {
+		args []string
+		want string // in the error the operator is shown
+	}{
+		"not a uuid":      {[]string{"machine", "reset", "m-1", "--process", "AgentStart"}, `machine id "m-1" is not a UUID`},
+		"unknown process": {[]string{"machine", "reset", m.String(), "--process", "Reboot"}, `--process "Reboot" is not a process: use one of AgentStart, Decommission, ProviderUpdate, Recovery, Reinstall`},
+		"no process":      {[]string{"machine", "reset", m.String()}, "--process is required"},
+		"unknown machine": {[]string{"machine", "reset", unknown, "--process", "AgentStart"}, "machine " + unknown + " does not exist"},
+		"no backoff":      {[]string{"machine", "reset", m.String(), "--process", "Recovery"}, "machine " + m.String() + " has no backoff for Recovery: nothing to reset"},
 	} {
-		out, err := run(t, append(args, "--database-url", db.URL)...)
-		if err == nil {
-			t.Errorf("%s: accepted:\n%s", name, out)
-			continue
-		}
-		t.Logf("%s: %v", name, err)
-		if name == "unknown process" && (!strings.Contains(err.Error(), "--process") || !strings.Contains(err.Error(), "AgentStart")) {
-			t.Errorf("unknown process: the error %q does not name the flag and the processes", err)
+		out, err := run(t, append(c.args, "--database-url", db.URL)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q\n%s", name, err, c.want, out)
 		}
 	}
 	if n := historyCount(t, db); n != before {
@@ -189,8 +188,9 @@ func TestMachineReset(t *testing.T) {
 		!strings.Contains(last.Cause, "shepherd CLI") || !strings.Contains(last.Cause, "cable replaced") {
 		t.Errorf("last history row %+v, want Reset by the CLI with the reason", last)
 	}
-	if _, err := run(t, "machine", "reset", m.String(), "--process", "AgentStart", "--database-url", db.URL); err == nil {
-		t.Error("a second reset found something to reset")
+	_, err = run(t, "machine", "reset", m.String(), "--process", "AgentStart", "--database-url", db.URL)
+	if want := "machine " + m.String() + " has no backoff for AgentStart: nothing to reset"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("a second reset: %v, want an error saying %q", err, want)
 	}
 }
 
@@ -201,17 +201,19 @@ func TestMachineDecommission(t *testing.T) {
 	requested := func() bool {
 		return bmdbtest.Scalar[bool](t, db, "SELECT EXISTS (SELECT 1 FROM machine_decommission_request WHERE machine_id = $1)", m)
 	}
-	for name, args := range map[string][]string{
-		"no reason":       {"machine", "decommission", m.String(), "--yes"},
-		"blank reason":    {"machine", "decommission", m.String(), "--reason", "  ", "--yes"},
-		"not a uuid":      {"machine", "decommission", "m-1", "--reason", "x", "--yes"},
-		"unknown machine": {"machine", "decommission", uuid.NewString(), "--reason", "x", "--yes"},
+	unknown := uuid.NewString()
+	for name, c := range map[string]struct {
+		args []string
+		want string // in the error the operator is shown
+	}{
+		"no reason":       {[]string{"machine", "decommission", m.String(), "--yes"}, "--reason is required: say why the machine should go"},
+		"blank reason":    {[]string{"machine", "decommission", m.String(), "--reason", "  ", "--yes"}, "--reason is required: say why the machine should go"},
+		"not a uuid":      {[]string{"machine", "decommission", "m-1", "--reason", "x", "--yes"}, `machine id "m-1" is not a UUID`},
+		"unknown machine": {[]string{"machine", "decommission", unknown, "--reason", "x", "--yes"}, "machine " + unknown + " does not exist"},
 	} {
-		out, err := run(t, append(args, "--database-url", db.URL)...)
-		if err == nil {
-			t.Errorf("%s: accepted:\n%s", name, out)
-		} else {
-			t.Logf("%s: %v", name, err)
+		out, err := run(t, append(c.args, "--database-url", db.URL)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q\n%s", name, err, c.want, out)
 		}
 	}
 	for _, answer := range []string{"", "n\n", "nope\n"} {

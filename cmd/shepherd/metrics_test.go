@@ -100,31 +100,15 @@ func runForMetrics(t *testing.T, components string, want []string) []byte {
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() {
-		cmd := newRootCommand()
-		cmd.SetArgs([]string{"run", "--components=" + components, "--database-url", db.URL,
-			"--data-dir", dir, "--provider", "sim", "--provider-config", simConfig, "--agent", agent,
-			"--server-listen", "127.0.0.1:0", "--agent-endpoint", "127.0.0.1:1",
-			"--metrics-listen", metricsAddr, "--log-level", "error",
-			"--provisioner-period", "100ms", "--updater-changing-period", "50ms", "--updater-stable-period", "100ms",
-			"--janitor-period", "100ms"})
-		done <- cmd.ExecuteContext(ctx)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("shepherd run --components=%s: %v", components, err)
-		}
-	})
+	cmd := startCommand(t, "run", "--components="+components, "--database-url", db.URL,
+		"--data-dir", dir, "--provider", "sim", "--provider-config", simConfig, "--agent", agent,
+		"--server-listen", "127.0.0.1:0", "--agent-endpoint", "127.0.0.1:1",
+		"--metrics-listen", metricsAddr, "--log-level", "error",
+		"--provisioner-period", "100ms", "--updater-changing-period", "50ms", "--updater-stable-period", "100ms",
+		"--janitor-period", "100ms")
 	var body []byte
 	bmdbtest.WaitFor(t, 30*time.Second, "/metrics of --components="+components+" with "+strings.Join(want, ", "), func(ctx context.Context) (bool, error) {
-		select {
-		case err := <-done:
-			t.Fatalf("shepherd run --components=%s stopped: %v", components, err)
-		default:
-		}
+		cmd.running(t)
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+metricsAddr+"/metrics", nil)
 		if err != nil {
 			return false, err

@@ -65,22 +65,12 @@ func TestRunUpdater(t *testing.T) {
 	if err := os.WriteFile(simConfig, []byte("machines: 5\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() {
-		cmd := newRootCommand()
-		cmd.SetArgs([]string{"run", "--components=provisioner,updater", "--database-url", db.URL,
-			"--data-dir", dataDir, "--provider", "sim", "--provider-config", simConfig,
-			"--metrics-listen", metricsAddr, "--log-level", "warn", "--provisioner-period", "100ms",
-			"--updater-changing-period", "50ms", "--updater-stable-period", "100ms"})
-		done <- cmd.ExecuteContext(ctx)
-	}()
+	cmd := startCommand(t, "run", "--components=provisioner,updater", "--database-url", db.URL,
+		"--data-dir", dataDir, "--provider", "sim", "--provider-config", simConfig,
+		"--metrics-listen", metricsAddr, "--log-level", "warn", "--provisioner-period", "100ms",
+		"--updater-changing-period", "50ms", "--updater-stable-period", "100ms")
 	bmdbtest.WaitFor(t, 30*time.Second, "updater passes over the simulated fleet", func(ctx context.Context) (bool, error) {
-		select {
-		case err := <-done:
-			t.Fatalf("shepherd run stopped: %v", err)
-		default:
-		}
+		cmd.running(t)
 		refs, err := db.ListProvided(ctx, "sim")
 		if err != nil || len(refs) != 5 {
 			return false, err
@@ -89,10 +79,7 @@ func TestRunUpdater(t *testing.T) {
 		n, err := metricstest.Scrape(ctx, metricsAddr, `shepherd_updater_passes_total{provider="sim",result="ok"}`)
 		return n >= 5, err
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("shepherd run: %v", err)
-	}
+	cmd.stop(t)
 }
 
 // freeAddr returns a loopback address with a port that was free a moment
@@ -139,24 +126,14 @@ func TestRunSuspectFractionZero(t *testing.T) {
 		}
 	}
 	metricsAddr := freeAddr(t)
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() {
-		cmd := newRootCommand()
-		cmd.SetArgs([]string{"run", "--components=provisioner", "--database-url", db.URL,
-			"--data-dir", dir, "--provider", "static", "--provider-config", cfgPath,
-			"--metrics-listen", metricsAddr, "--log-level", "error", "--provisioner-period", "50ms",
-			"--suspect-fraction", "0"})
-		done <- cmd.ExecuteContext(ctx)
-	}()
+	cmd := startCommand(t, "run", "--components=provisioner", "--database-url", db.URL,
+		"--data-dir", dir, "--provider", "static", "--provider-config", cfgPath,
+		"--metrics-listen", metricsAddr, "--log-level", "error", "--provisioner-period", "50ms",
+		"--suspect-fraction", "0")
 	const passes = `shepherd_provisioner_passes_total{provider="lab",result="%s"}`
 	var suspect float64
 	bmdbtest.WaitFor(t, 30*time.Second, "a provisioner pass", func(ctx context.Context) (bool, error) {
-		select {
-		case err := <-done:
-			t.Fatalf("shepherd run stopped: %v", err)
-		default:
-		}
+		cmd.running(t)
 		ok, err := metricstest.Scrape(ctx, metricsAddr, fmt.Sprintf(passes, "ok"))
 		if err != nil {
 			return false, err
@@ -164,10 +141,7 @@ func TestRunSuspectFractionZero(t *testing.T) {
 		suspect, err = metricstest.Scrape(ctx, metricsAddr, fmt.Sprintf(passes, "suspect"))
 		return ok+suspect > 0, err
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("shepherd run: %v", err)
-	}
+	cmd.stop(t)
 	if suspect == 0 {
 		t.Error("no provisioner pass found the listing suspect with --suspect-fraction 0")
 	}

@@ -381,18 +381,24 @@ func (e *ExitError) Error() string {
 func (e *ExitError) Unwrap() error { return e.err }
 
 // limitedBuffer keeps the first max bytes written and discards the rest,
-// so a runaway command cannot exhaust memory.
+// so a runaway command cannot exhaust memory. Its only way in is Write:
+// an embedded bytes.Buffer would lend it ReadFrom, which io.Copy (and so
+// the SSH session copying a command's output) prefers to Write, and which
+// knows no limit.
 type limitedBuffer struct {
-	bytes.Buffer
+	buf bytes.Buffer
 	max int
 }
 
 func (b *limitedBuffer) Write(p []byte) (int, error) {
-	if room := b.max - b.Len(); room > 0 {
-		b.Buffer.Write(p[:min(len(p), room)])
+	if room := b.max - b.buf.Len(); room > 0 {
+		b.buf.Write(p[:min(len(p), room)])
 	}
 	return len(p), nil
 }
+
+// Bytes returns what was kept.
+func (b *limitedBuffer) Bytes() []byte { return b.buf.Bytes() }
 
 func tail(b []byte, n int) string {
 	b = bytes.TrimSpace(b)
