@@ -171,13 +171,19 @@ func stopDaemon(t *testing.T, stateDir string) {
 		return
 	}
 	_ = syscall.Kill(pid, syscall.SIGTERM)
-	deadline := time.Now().Add(20 * time.Second)
-	for alive(pid) && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond) // cleanup only: waiting for a process we do not own
-	}
-	if alive(pid) {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
-		t.Errorf("agent daemon %d ignored SIGTERM", pid)
+	// Not bmdbtest.WaitFor: this runs in cleanups too, after t.Context ended.
+	deadline := time.NewTimer(20 * time.Second)
+	defer deadline.Stop()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for alive(pid) {
+		select {
+		case <-deadline.C:
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			t.Errorf("agent daemon %d ignored SIGTERM for 20s", pid)
+			return
+		case <-tick.C:
+		}
 	}
 }
 
