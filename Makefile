@@ -54,7 +54,11 @@ FUZZ_TARGETS := \
 	./agent/hwreport:FuzzParseCPUInfo \
 	./agent/hwreport:FuzzParseCPUList \
 	./agent/hwreport:FuzzParseMemTotal \
-	./provider/static:FuzzParse
+	./provider/static:FuzzParse \
+	./provider/equinix/metal:FuzzDecodeDevice \
+	./provider/equinix/metal:FuzzDecodeDeviceList \
+	./provider/equinix/metal:FuzzDecodeError \
+	./web:FuzzPageQuery
 
 # sshd is installed first, so the SSH end-to-end tests must use it: a
 # missing sshd fails them rather than falling back to the in-process server.

@@ -67,7 +67,7 @@ type fleet struct {
 	evil        uuid.UUID
 }
 
-func newFleet(t *testing.T) *fleet {
+func newFleet(t testing.TB) *fleet {
 	t.Helper()
 	db := bmdbtest.New(t)
 	ctx := t.Context()
@@ -101,7 +101,7 @@ func newFleet(t *testing.T) *fleet {
 
 // addHeartbeating adds a machine whose agent started and sent a heartbeat
 // (with hw, if given).
-func addHeartbeating(t *testing.T, db *bmdbtest.DB, s *bmdb.Session, p bmdb.Provided, hw *agentv1.HardwareReport) uuid.UUID {
+func addHeartbeating(t testing.TB, db *bmdbtest.DB, s *bmdb.Session, p bmdb.Provided, hw *agentv1.HardwareReport) uuid.UUID {
 	t.Helper()
 	ctx := t.Context()
 	pub, _, err := ed25519.GenerateKey(nil)
@@ -139,7 +139,7 @@ type server struct {
 	log *syncBuffer
 }
 
-func newServer(t *testing.T, db *bmdb.DB, cfg web.Config) *server {
+func newServer(t testing.TB, db *bmdb.DB, cfg web.Config) *server {
 	t.Helper()
 	logs := &syncBuffer{}
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -221,6 +221,9 @@ func TestPagesAndSecurityHeaders(t *testing.T) {
 		"/machines/not-a-uuid":                    http.StatusNotFound,
 		"/machines?state=Sleepy":                  http.StatusBadRequest,
 		"/machines?after=nope":                    http.StatusBadRequest,
+		"/machines?q=%00":                         http.StatusBadRequest, // no text PostgreSQL takes: was a 500
+		"/machines?provider=%FF%FE":               http.StatusBadRequest,
+		"/machines?location=fra1%00":              http.StatusBadRequest,
 		"/nope":                                   http.StatusNotFound,
 		"/machines/" + f.evil.String() + "/reset": http.StatusNotFound, // no actions without Config.Actions
 	} {
@@ -317,7 +320,7 @@ func TestUntrustedDataIsEscaped(t *testing.T) {
 	}
 }
 
-func mustToken(t *testing.T) web.Token {
+func mustToken(t testing.TB) web.Token {
 	t.Helper()
 	tok, err := web.NewToken(operatorToken)
 	if err != nil {

@@ -413,10 +413,10 @@ func (c *Client) attempt(ctx context.Context, r *request, out any) (outcome, tim
 		if len(data) > maxBodyBytes {
 			return final, 0, fmt.Errorf("metal: %s %s: answer larger than %d bytes", r.method, r.path, maxBodyBytes)
 		}
-		if out == nil || len(bytes.TrimSpace(data)) == 0 {
+		if out == nil {
 			return done, 0, nil
 		}
-		if err := json.Unmarshal(data, out); err != nil {
+		if err := decodeAnswer(data, out); err != nil {
 			err = fmt.Errorf("metal: %s %s: decoding the %d answer: %w", r.method, r.path, code, err)
 			if !r.repeatable {
 				// The server acted, but we cannot tell on what.
@@ -433,6 +433,27 @@ func (c *Client) attempt(ctx context.Context, r *request, out any) (outcome, tim
 		return transient, 0, apiErr
 	}
 	return final, 0, apiErr
+}
+
+// object is an API object, which the API always names by its id.
+type object interface{ objectID() string }
+
+func (d *Device) objectID() string              { return d.ID }
+func (r *HardwareReservation) objectID() string { return r.ID }
+func (k *SSHKey) objectID() string              { return k.ID }
+
+// decodeAnswer decodes a 2xx answer's body into out. An answer that should
+// hold an object must name it: an empty body, null or {} would otherwise
+// decode to a zero object, a device or reservation without an id that a
+// caller would take for the API's answer.
+func decodeAnswer(data []byte, out any) error {
+	if err := json.Unmarshal(data, out); err != nil {
+		return err
+	}
+	if o, ok := out.(object); ok && o.objectID() == "" {
+		return errors.New("the answer names no object (it has no id)")
+	}
+	return nil
 }
 
 // transportError drops the URL net/http puts in its errors (it says

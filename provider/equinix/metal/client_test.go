@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -66,26 +67,51 @@ func TestServerErrorRetriedThenSuccess(t *testing.T) {
 	}
 }
 
-func TestServerErrorUntilDeadline(t *testing.T) {
+// TestServerErrorBacksOffUntilDeadline runs the client's real backoff
+// schedule on the bubble's virtual clock: after the n-th failure it waits
+// between half and all of min(250ms<<(n-1), 10s), and it gives up, without
+// sleeping, as soon as the next wait would pass RetryDeadline.
+func TestServerErrorBacksOffUntilDeadline(t *testing.T) {
 	t.Parallel()
-	f := newFake(t)
-	f.setIntercept(failTimes(1<<30, http.StatusBadGateway, "/devices/x"))
-	c, _ := newTestClient(t, f.baseURL(), func(c *Config) { c.RetryDeadline = 300 * time.Millisecond })
+	synctest.Test(t, func(t *testing.T) {
+		f := newMemFake(t)
+		f.setIntercept(failTimes(1<<30, http.StatusBadGateway, "/devices/x"))
+		const deadline = time.Minute
+		c, _ := f.client(t, func(c *Config) { c.RetryDeadline = deadline })
+		c.backoffBase, c.backoffMax = backoffBase, backoffMax
 
-	start := time.Now()
-	_, err := c.GetDevice(t.Context(), "x")
-	if err == nil {
-		t.Fatal("GetDevice succeeded against a server that always fails")
-	}
-	if took := time.Since(start); took > 2*time.Second {
-		t.Errorf("GetDevice took %s with a 300ms RetryDeadline", took)
-	}
-	if !hasStatus(err, http.StatusBadGateway) || IsPermanent(err) {
-		t.Errorf("error = %v, want the last 502 answer, not permanent", err)
-	}
-	if n := len(f.requests(http.MethodGet, "/devices/x")); n < 3 {
-		t.Errorf("server saw %d requests, want several retries", n)
-	}
+		start := time.Now()
+		_, err := c.GetDevice(t.Context(), "x")
+		took := time.Since(start)
+		if err == nil {
+			t.Fatal("GetDevice succeeded against a server that always fails")
+		}
+		if !hasStatus(err, http.StatusBadGateway) || IsPermanent(err) ||
+			!strings.Contains(err.Error(), "the call's deadline would pass before the next attempt") {
+			t.Errorf("error = %v, want the last 502 answer, not permanent, saying the deadline would pass", err)
+		}
+		hits := f.requests(http.MethodGet, "/devices/x")
+		if len(hits) < 2 {
+			t.Fatalf("server saw %d requests, want retries", len(hits))
+		}
+		if at := hits[0].at.Sub(start); at != 0 {
+			t.Errorf("first attempt %s after the call, want at once", at)
+		}
+		for i := 1; i < len(hits); i++ {
+			nominal := min(backoffBase<<(i-1), backoffMax)
+			if gap := hits[i].at.Sub(hits[i-1].at); gap < nominal/2 || gap > nominal {
+				t.Errorf("attempt %d came %s after attempt %d, want the backoff of [%s, %s]", i+1, gap, i, nominal/2, nominal)
+			}
+		}
+		if last := hits[len(hits)-1].at.Sub(start); took != last {
+			t.Errorf("GetDevice returned %s after the call, the last attempt was at %s: want it to give up at once", took, last)
+		}
+		if next := min(backoffBase<<(len(hits)-1), backoffMax); took > deadline || deadline-took >= next {
+			t.Errorf("gave up %s after the call with a %s RetryDeadline; the next backoff (at most %s) still fit",
+				took, deadline, next)
+		}
+		t.Logf("%d attempts in %s", len(hits), took)
+	})
 }
 
 func TestPermanentErrorsNotRetried(t *testing.T) {
@@ -124,31 +150,44 @@ func TestPermanentErrorsNotRetried(t *testing.T) {
 	}
 }
 
+// TestAttemptTimeoutRetried: an attempt the server never answers ends
+// after exactly CallTimeout, and the next goes out one backoff later.
 func TestAttemptTimeoutRetried(t *testing.T) {
 	t.Parallel()
-	f := newFake(t)
-	id := f.addDevice(testProject, "d1", "")
-	var calls atomic.Int32
-	f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
-		if calls.Add(1) > 1 {
-			return false
-		}
-		<-r.Context().Done() // hang until the client gives up on the attempt
-		return true
-	})
-	c, reg := newTestClient(t, f.baseURL(), func(c *Config) { c.CallTimeout = 250 * time.Millisecond })
+	synctest.Test(t, func(t *testing.T) {
+		f := newMemFake(t)
+		id := f.addDevice(testProject, "d1", "")
+		var calls atomic.Int32
+		f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+			if calls.Add(1) > 1 {
+				return false
+			}
+			<-r.Context().Done() // hang until the client gives up on the attempt
+			return true
+		})
+		const callTimeout = 30 * time.Second
+		c, reg := f.client(t, func(c *Config) { c.CallTimeout, c.RetryDeadline = callTimeout, time.Minute })
+		c.backoffBase, c.backoffMax = backoffBase, backoffMax
 
-	if _, err := c.GetDevice(t.Context(), id); err != nil {
-		t.Fatalf("GetDevice: %v", err)
-	}
-	// Normally 2; on a very busy machine a later attempt may time out too.
-	n := calls.Load()
-	if n < 2 {
-		t.Errorf("server saw %d requests, want 2 (one timed out)", n)
-	}
-	if got := metricValue(t, reg, "shepherd_metal_requests_total", map[string]string{"status": statusError}); got != float64(n-1) {
-		t.Errorf("requests_total{status=error} = %v, want %d", got, n-1)
-	}
+		start := time.Now()
+		if _, err := c.GetDevice(t.Context(), id); err != nil {
+			t.Fatalf("GetDevice: %v", err)
+		}
+		if n := calls.Load(); n != 2 {
+			t.Errorf("server saw %d requests, want 2 (one timed out)", n)
+		}
+		hits := f.requests(http.MethodGet, "/devices/"+id)
+		if len(hits) != 2 {
+			t.Fatalf("server saw %d requests, want 2", len(hits))
+		}
+		if at := hits[1].at.Sub(start); at < callTimeout+backoffBase/2 || at > callTimeout+backoffBase {
+			t.Errorf("second attempt %s after the call, want CallTimeout (%s) plus the first backoff [%s, %s]",
+				at, callTimeout, backoffBase/2, backoffBase)
+		}
+		if got := metricValue(t, reg, "shepherd_metal_requests_total", map[string]string{"status": statusError}); got != 1 {
+			t.Errorf("requests_total{status=error} = %v, want 1", got)
+		}
+	})
 }
 
 func TestContextCanceledStopsRetries(t *testing.T) {
@@ -172,107 +211,115 @@ func TestContextCanceledStopsRetries(t *testing.T) {
 }
 
 // TestRateLimitPausesEveryCaller has one caller get a 429 with
-// Retry-After: 1, then starts more callers, and checks that the server
-// sees no request before the second has passed, and that every caller
-// succeeds after it.
+// Retry-After: 3, then starts more callers while it waits, and checks that
+// every request after the 429, that caller's and theirs, reaches the
+// server exactly when the pause ends, and succeeds.
 func TestRateLimitPausesEveryCaller(t *testing.T) {
 	t.Parallel()
-	f := newFake(t)
-	id := f.addDevice(testProject, "d1", "")
-	var (
-		mu        sync.Mutex
-		limitedAt time.Time // when the server sent the 429
-		early     []time.Time
-	)
-	f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
-		mu.Lock()
-		defer mu.Unlock()
-		now := time.Now()
-		switch {
-		case limitedAt.IsZero():
-			limitedAt = now
-		case now.Before(limitedAt.Add(time.Second)):
-			early = append(early, now)
-		default:
-			return false
-		}
-		w.Header().Set("Retry-After", "1")
-		w.Header().Set("X-RateLimit-Remaining", "0")
-		writeJSON(w, http.StatusTooManyRequests, errorBody("rate limited"))
-		return true
-	})
-	c, reg := newTestClient(t, f.baseURL(), nil)
-
-	var wg sync.WaitGroup
-	errs := make(chan error, 10)
-	wg.Go(func() {
-		_, err := c.GetDevice(t.Context(), id)
-		errs <- err
-	})
-	waitFor(t, 5*time.Second, "the first 429", func() bool {
-		return metricValue(t, reg, "shepherd_metal_rate_limited_total", nil) >= 1
-	})
-	for i := range 6 {
-		wg.Go(func() {
-			var err error
-			if i%2 == 0 {
-				_, err = c.ListDevices(t.Context(), testProject)
-			} else {
-				_, err = c.GetDevice(t.Context(), id)
+	synctest.Test(t, func(t *testing.T) {
+		f := newMemFake(t)
+		id := f.addDevice(testProject, "d1", "")
+		var limited atomic.Bool
+		f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+			if limited.Swap(true) {
+				return false
 			}
+			w.Header().Set("Retry-After", "3")
+			w.Header().Set("X-RateLimit-Remaining", "0")
+			writeJSON(w, http.StatusTooManyRequests, errorBody("rate limited"))
+			return true
+		})
+		c, reg := f.client(t, nil)
+		c.backoffBase, c.backoffMax = backoffBase, backoffMax // below Retry-After: the pause is the 3s asked for
+
+		start := time.Now()
+		var wg sync.WaitGroup
+		errs := make(chan error, 10)
+		wg.Go(func() {
+			_, err := c.GetDevice(t.Context(), id)
 			errs <- err
 		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Errorf("call failed: %v", err)
+		synctest.Wait() // the first caller got its 429 and waits
+		if got := metricValue(t, reg, "shepherd_metal_rate_limited_total", nil); got != 1 {
+			t.Fatalf("rate_limited_total = %v after the first call waits, want 1", got)
 		}
-	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(early) > 0 {
-		t.Errorf("%d requests arrived before Retry-After passed, the first %s after the 429",
-			len(early), early[0].Sub(limitedAt))
-	}
-	hits := f.allHits()
-	if len(hits) != 8 {
-		t.Errorf("server saw %d requests, want 8 (the 429 and 7 successes)", len(hits))
-	}
-	for _, h := range hits {
-		if h.at.After(limitedAt) && h.at.Before(limitedAt.Add(time.Second)) {
-			t.Errorf("request %s %s arrived %s after the 429", h.method, h.path, h.at.Sub(limitedAt))
-			break
+		time.Sleep(time.Second) // the others come in the middle of the pause
+		for i := range 6 {
+			wg.Go(func() {
+				var err error
+				if i%2 == 0 {
+					_, err = c.ListDevices(t.Context(), testProject)
+				} else {
+					_, err = c.GetDevice(t.Context(), id)
+				}
+				errs <- err
+			})
 		}
-	}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Errorf("call failed: %v", err)
+			}
+		}
+		hits := f.allHits()
+		if len(hits) != 8 {
+			t.Errorf("server saw %d requests, want 8 (the 429 and 7 successes)", len(hits))
+		}
+		for i, h := range hits {
+			want := 3 * time.Second
+			if i == 0 {
+				want = 0
+			}
+			if at := h.at.Sub(start); at != want {
+				t.Errorf("request %d (%s %s) arrived %s after the first, want %s", i, h.method, h.path, at, want)
+			}
+		}
+	})
 }
 
+// TestRateLimitWithoutDeadlineRoom: a 429 asking for a pause past the
+// call's deadline fails the call at once, and the calls that follow
+// during the pause, without a request.
 func TestRateLimitWithoutDeadlineRoom(t *testing.T) {
 	t.Parallel()
-	f := newFake(t)
-	f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
-		w.Header().Set("Retry-After", "60")
-		writeJSON(w, http.StatusTooManyRequests, errorBody("slow down"))
-		return true
+	synctest.Test(t, func(t *testing.T) {
+		f := newMemFake(t)
+		f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+			w.Header().Set("Retry-After", "60")
+			writeJSON(w, http.StatusTooManyRequests, errorBody("slow down"))
+			return true
+		})
+		c, _ := f.client(t, func(c *Config) { c.RetryDeadline = time.Second })
+		start := time.Now()
+		_, err := c.GetDevice(t.Context(), "x")
+		if !hasStatus(err, http.StatusTooManyRequests) || !errors.Is(err, ErrRateLimited) ||
+			!strings.Contains(err.Error(), "past the call's deadline") {
+			t.Fatalf("GetDevice error = %v, want the 429, paused past the deadline", err)
+		}
+		if took := time.Since(start); took != 0 {
+			t.Errorf("GetDevice took %s to find that it cannot wait 60s within 1s, want no time", took)
+		}
+		// The pause holds for other callers too: they fail at once, unsent.
+		time.Sleep(30 * time.Second)
+		if _, err := c.GetDevice(t.Context(), "y"); !errors.Is(err, ErrRateLimited) {
+			t.Errorf("GetDevice 30s later: error = %v, want ErrRateLimited", err)
+		}
+		if took := time.Since(start); took != 30*time.Second {
+			t.Errorf("the second GetDevice returned %s after the first began, want 30s: at once", took)
+		}
+		if n := len(f.allHits()); n != 1 {
+			t.Errorf("server saw %d requests, want 1", n)
+		}
+		// Once the pause is over, requests go out again.
+		time.Sleep(30 * time.Second)
+		if _, err := c.GetDevice(t.Context(), "z"); !hasStatus(err, http.StatusTooManyRequests) {
+			t.Errorf("GetDevice after the pause: error = %v, want the server's next 429", err)
+		}
+		if n := len(f.allHits()); n != 2 {
+			t.Errorf("server saw %d requests, want 2", n)
+		}
 	})
-	c, _ := newTestClient(t, f.baseURL(), func(c *Config) { c.RetryDeadline = time.Second })
-	start := time.Now()
-	_, err := c.GetDevice(t.Context(), "x")
-	if !hasStatus(err, http.StatusTooManyRequests) || !errors.Is(err, ErrRateLimited) ||
-		!strings.Contains(err.Error(), "past the call's deadline") {
-		t.Fatalf("GetDevice error = %v, want the 429, paused past the deadline", err)
-	}
-	if took := time.Since(start); took > 500*time.Millisecond {
-		t.Errorf("GetDevice took %s to find that it cannot wait 60s within 1s", took)
-	}
-	// The pause holds for other callers too: they fail at once, unsent.
-	if _, err := c.GetDevice(t.Context(), "y"); !errors.Is(err, ErrRateLimited) {
-		t.Errorf("second GetDevice error = %v, want ErrRateLimited", err)
-	}
-	if n := len(f.allHits()); n != 1 {
-		t.Errorf("server saw %d requests, want 1", n)
-	}
 }
 
 func TestRateLimitWait(t *testing.T) {
@@ -310,54 +357,38 @@ func TestRateLimitWait(t *testing.T) {
 	}
 }
 
-// TestBudget checks on the server side that requests arrive no faster
-// than the token bucket allows: 20 per second, burst 1. It does not run in
-// parallel with the other tests, which would only add noise to the
-// arrival times.
+// TestBudget checks on the server side that requests arrive exactly as
+// fast as the token bucket allows: 20 per second, burst 1, so the one
+// token at once and then one every 50ms.
 func TestBudget(t *testing.T) {
-	f := newFake(t)
-	id := f.addDevice(testProject, "d1", "")
-	c, _ := newTestClient(t, f.baseURL(), func(c *Config) { c.RequestsPerSecond, c.Burst = 20, 1 })
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		f := newMemFake(t)
+		id := f.addDevice(testProject, "d1", "")
+		c, _ := f.client(t, func(c *Config) { c.RequestsPerSecond, c.Burst = 20, 1 })
 
-	const n = 10
-	start := time.Now() // no token is handed out before this
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() {
-			if _, err := c.GetDevice(t.Context(), id); err != nil {
-				t.Errorf("GetDevice: %v", err)
-			}
-		})
-	}
-	wg.Wait()
-	hits := f.allHits()
-	if len(hits) != n {
-		t.Fatalf("server saw %d requests, want %d", len(hits), n)
-	}
-	at := make([]time.Time, n)
-	for i, h := range hits {
-		at[i] = h.at
-	}
-	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
-	const interval = 50 * time.Millisecond
-	var gaps []time.Duration
-	for i := 1; i < n; i++ {
-		gaps = append(gaps, at[i].Sub(at[i-1]).Round(time.Millisecond))
-	}
-	t.Logf("inter-arrival times: %v", gaps)
-	// The bucket hands out its one token at once and then one every 50ms,
-	// and every request arrives after its token: so the i-th arrival comes
-	// at least i intervals after start, however late any request is. In
-	// particular the n requests take at least (n-1)/20 s.
-	for i, a := range at {
-		if d := a.Sub(start); d < time.Duration(i)*interval {
-			t.Errorf("request %d arrived %s after the start, want at least %s", i, d, time.Duration(i)*interval)
+		const n = 10
+		start := time.Now()
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() {
+				if _, err := c.GetDevice(t.Context(), id); err != nil {
+					t.Errorf("GetDevice: %v", err)
+				}
+			})
 		}
-	}
-	// A check between two arrivals (at[i+k]-at[i] >= k intervals) would be
-	// tighter, but one request's latency on a busy machine (100ms+ seen
-	// under the race detector) breaks it; the bound above holds whatever
-	// the latencies.
+		wg.Wait()
+		hits := f.allHits()
+		if len(hits) != n {
+			t.Fatalf("server saw %d requests, want %d", len(hits), n)
+		}
+		const interval = 50 * time.Millisecond
+		for i, h := range hits {
+			if d := h.at.Sub(start); d != time.Duration(i)*interval {
+				t.Errorf("request %d arrived %s after the start, want %s", i, d, time.Duration(i)*interval)
+			}
+		}
+	})
 }
 
 func TestConcurrencyBound(t *testing.T) {

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 )
@@ -85,6 +87,73 @@ func TestCreateDeviceLostResponse(t *testing.T) {
 	if got := metricValue(t, reg, "shepherd_metal_requests_total",
 		map[string]string{"endpoint": epProjectDevices, "method": "POST", "status": statusError}); got != 1 {
 		t.Errorf("requests_total{POST, error} = %v, want 1", got)
+	}
+}
+
+// TestAnswerWithoutObject: a 2xx answer that should hold an object but is
+// empty, null or {} is an error, not a zero object. GetDevice and
+// GetHardwareReservation returned a device or a reservation without an id
+// (and a free one: without a device); CreateDevice returned a device
+// without an id for one it had created. It now treats the answer as lost
+// and finds its device by the witness.
+func TestAnswerWithoutObject(t *testing.T) {
+	t.Parallel()
+	for _, body := range []string{"", "null", "{}", `{"state": "active"}`} {
+		t.Run(body, func(t *testing.T) {
+			t.Parallel()
+			f := newFake(t)
+			res := f.addReservation(testProject)
+			devID := f.addDevice(testProject, "d1", "")
+			var mu sync.Mutex
+			created := map[string]bool{} // paths posted to
+			f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+				mu.Lock()
+				first := r.Method == http.MethodPost && !created[r.URL.Path]
+				if r.Method == http.MethodPost {
+					created[r.URL.Path] = true
+				}
+				anyCreated := len(created) > 0
+				mu.Unlock()
+				switch {
+				case first: // the first device create and key create
+					f.mux.ServeHTTP(httptest.NewRecorder(), r) // the API acts; its answer is replaced
+				case r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/"+devID),
+					r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/"+res) && !anyCreated:
+				default:
+					return false
+				}
+				w.WriteHeader(http.StatusOK)
+				_, _ = io.WriteString(w, body)
+				return true
+			})
+			c, _ := newTestClient(t, f.baseURL(), nil)
+
+			if d, err := c.GetDevice(t.Context(), devID); err == nil || !strings.Contains(err.Error(), "decoding the 200 answer") {
+				t.Errorf("GetDevice = %+v, %v; want an error saying the answer does not decode", d, err)
+			}
+			if r, err := c.GetHardwareReservation(t.Context(), res); err == nil || !strings.Contains(err.Error(), "decoding the 200 answer") {
+				t.Errorf("GetHardwareReservation = %+v, %v; want an error saying the answer does not decode", r, err)
+			}
+			d, err := c.CreateDevice(t.Context(), testProject, createReq(res), "w-empty")
+			if err != nil {
+				t.Fatalf("CreateDevice: %v", err)
+			}
+			if w, _ := d.Witness(); d.ID == "" || w != "w-empty" {
+				t.Errorf("CreateDevice = %+v, want our device, found by its witness", d)
+			}
+			if n := f.deviceCount(); n != 2 {
+				t.Errorf("%d devices exist, want 2 (d1 and the one created)", n)
+			}
+			// A key create answered so is an open outcome: EnsureSSHKey
+			// finds the key it made instead of returning one without an id.
+			k, err := c.EnsureSSHKey(t.Context(), testProject, label, key1)
+			if err != nil || k.ID == "" || k.Key != key1 {
+				t.Errorf("EnsureSSHKey = %+v, %v; want the key created", k, err)
+			}
+			if n := f.keyCount(); n != 1 {
+				t.Errorf("%d keys exist, want 1", n)
+			}
+		})
 	}
 }
 

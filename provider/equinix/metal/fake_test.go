@@ -35,9 +35,10 @@ const (
 // inject faults. It decodes request bodies strictly, so a field name the
 // client gets wrong fails the test.
 type fake struct {
-	t   testing.TB
-	srv *httptest.Server
-	mux *http.ServeMux
+	t    testing.TB
+	base string       // the API root
+	hc   *http.Client // nil: a client of the default transport reaches the fake
+	mux  *http.ServeMux
 
 	mu           sync.Mutex
 	seq          int
@@ -56,7 +57,32 @@ type hit struct {
 	at           time.Time
 }
 
+// newFake starts a fake on a loopback socket.
 func newFake(t testing.TB) *fake {
+	f := newFakeHandler(t)
+	srv := httptest.NewServer(f)
+	t.Cleanup(srv.Close)
+	f.base = srv.URL + "/metal/v1"
+	return f
+}
+
+// newMemFake starts a fake that clients reach over in-memory
+// connections (pipeListener), through the client f.hc: the fake for tests
+// in a synctest bubble, whose clock advances only while every goroutine
+// waits on the bubble, which a goroutine reading a real socket does not.
+// The wire protocol is the same HTTP/1.1.
+func newMemFake(t testing.TB) *fake {
+	f := newFakeHandler(t)
+	l := newPipeListener()
+	srv := &http.Server{Handler: f, ReadHeaderTimeout: time.Minute}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	f.base = "http://metal.test/metal/v1"
+	f.hc = &http.Client{Transport: &http.Transport{DialContext: l.DialContext}}
+	return f
+}
+
+func newFakeHandler(t testing.TB) *fake {
 	f := &fake{t: t, mux: http.NewServeMux()}
 	const p = "/metal/v1"
 	f.mux.HandleFunc("GET "+p+"/projects/{project}/devices", f.listDevices)
@@ -70,13 +96,72 @@ func newFake(t testing.TB) *fake {
 	f.mux.HandleFunc("GET "+p+"/projects/{project}/ssh-keys", f.listKeys)
 	f.mux.HandleFunc("POST "+p+"/projects/{project}/ssh-keys", f.createKey)
 	f.mux.HandleFunc("PUT "+p+"/ssh-keys/{id}", f.updateKey)
-	f.srv = httptest.NewServer(f)
-	t.Cleanup(f.srv.Close)
 	return f
 }
 
 // baseURL is the fake's API root.
-func (f *fake) baseURL() string { return f.srv.URL + "/metal/v1" }
+func (f *fake) baseURL() string { return f.base }
+
+// client returns a client of the fake, as newTestClient makes them.
+func (f *fake) client(t testing.TB, mod func(*Config)) (*Client, *prometheus.Registry) {
+	t.Helper()
+	return newTestClient(t, f.base, func(c *Config) {
+		c.HTTPClient = f.hc
+		if mod != nil {
+			mod(c)
+		}
+	})
+}
+
+// pipeListener is a net.Listener of in-memory connections: DialContext
+// hands Accept one end of a net.Pipe and returns the other. Its goroutines
+// block on channels, which a synctest bubble sees as durably blocked.
+type pipeListener struct {
+	conns  chan net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+func newPipeListener() *pipeListener {
+	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
+}
+
+func (l *pipeListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *pipeListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return nil
+}
+
+func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
+
+func (l *pipeListener) DialContext(ctx context.Context, network, _ string) (net.Conn, error) {
+	client, server := net.Pipe()
+	var err error
+	select {
+	case l.conns <- server:
+		return client, nil
+	case <-l.closed:
+		err = &net.OpError{Op: "dial", Net: network, Err: syscall.ECONNREFUSED}
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	client.Close()
+	server.Close()
+	return nil, err
+}
+
+type pipeAddr struct{}
+
+func (pipeAddr) Network() string { return "pipe" }
+func (pipeAddr) String() string  { return "metal.test:80" }
 
 func (f *fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.mu.Lock()
