@@ -8,12 +8,14 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -653,3 +655,191 @@ func TestCrashedSessionReleasesWork(t *testing.T) {
 	}
 }
 
+func TestSessionConfigValidate(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		cfg     bmdb.SessionConfig
+		wantErr string // "" for valid
+	}{
+		{bmdb.SessionConfig{Component: "c"}, ""},
+		{bmdb.SessionConfig{Component: "c", Lease: 300 * time.Millisecond}, ""},
+		{bmdb.SessionConfig{Component: "c", Lease: 299 * time.Millisecond}, "Lease must be 0 (default 10s) or at least 300ms, got 299ms"},
+		{bmdb.SessionConfig{Component: "c", Lease: -time.Second}, "Lease must be"},
+		{bmdb.SessionConfig{}, "Component is required"},
+		{bmdb.SessionConfig{Component: "c", ClaimStrategy: bmdb.ClaimPlainLimit}, ""},
+		{bmdb.SessionConfig{Component: "c", ClaimStrategy: bmdb.ClaimPlainLimit + 1}, "ClaimStrategy 2 is not a known strategy"},
+		{bmdb.SessionConfig{Component: "c", ClaimStrategy: -1}, "ClaimStrategy -1 is not a known strategy"},
+		{bmdb.SessionConfig{Component: "c", ScanLimit: 1}, ""},
+		{bmdb.SessionConfig{Component: "c", ScanLimit: -1}, "ScanLimit must be >= 0 (0 = default), got -1"},
+	} {
+		err := tt.cfg.Validate()
+		if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%+v.Validate() = %v, want %q", tt.cfg, err, tt.wantErr)
+		}
+	}
+}
+
+// TestSessionStartRecordsWhoRuns checks what a session records about its
+// process for operators: what it was given, else the host name, the pid and
+// the binary's module version, and the lease (the default when none is
+// given) from which the database computes the deadline.
+func TestSessionStartRecordsWhoRuns(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	host, err := os.Hostname()
+	if err != nil {
+		t.Fatal(err)
+	}
+	version := "unknown"
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		version = bi.Main.Version
+	}
+	for _, tt := range []struct {
+		cfg                   bmdb.SessionConfig
+		wantHost, wantVersion string
+		wantLease             time.Duration
+	}{
+		{bmdb.SessionConfig{Component: "defaults"}, host, version, bmdb.DefaultLease},
+		{bmdb.SessionConfig{Component: "given", Hostname: "node-7", Version: "v1.2.3", Lease: time.Minute}, "node-7", "v1.2.3", time.Minute},
+	} {
+		s, err := db.StartSession(t.Context(), tt.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = s.Close(context.Background()) })
+		var (
+			gotHost, gotVersion string
+			pid                 int32
+			leaseMs             int64
+			exact               bool
+		)
+		if err := db.Pool.QueryRow(t.Context(), `SELECT hostname, version, pid, lease_ms, deadline = created_at + lease_ms * interval '1 millisecond'
+			FROM sessions WHERE session_id = $1`, s.ID()).Scan(&gotHost, &gotVersion, &pid, &leaseMs, &exact); err != nil {
+			t.Fatal(err)
+		}
+		if gotHost != tt.wantHost || gotVersion != tt.wantVersion || int(pid) != os.Getpid() ||
+			time.Duration(leaseMs)*time.Millisecond != tt.wantLease || !exact {
+			t.Errorf("%s: recorded host %q, version %q, pid %d, lease %dms (deadline one lease after the start: %v); want %q, %q, %d, %s",
+				tt.cfg.Component, gotHost, gotVersion, pid, leaseMs, exact, tt.wantHost, tt.wantVersion, os.Getpid(), tt.wantLease)
+		}
+	}
+}
+
+// TestKeepSessionReturns checks when KeepSession returns and what: fn's
+// result while its session is alive, and a new session instead when fn
+// returns because it found its session expired before renewal noticed.
+func TestKeepSessionReturns(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	boom := errors.New("fn failed")
+	cfg := bmdb.SessionConfig{Component: "keeper", Lease: time.Minute} // no renewal during the test
+	for _, tt := range []struct {
+		name string
+		fn   func(t *testing.T, call int, s *bmdb.Session) error
+		want error
+		runs int // calls of fn, each with a new session
+	}{
+		{"fn returns nil", func(*testing.T, int, *bmdb.Session) error { return nil }, nil, 1},
+		{"fn fails", func(*testing.T, int, *bmdb.Session) error { return boom }, boom, 1},
+		{"fn finds its session expired", func(t *testing.T, call int, s *bmdb.Session) error {
+			if call > 1 {
+				return nil
+			}
+			db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", s.ID())
+			_, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+			if !errors.Is(err, bmdb.ErrSessionExpired) {
+				t.Errorf("Work on a session the database expired: %v, want ErrSessionExpired", err)
+			}
+			return err
+		}, nil, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var ids []uuid.UUID
+			err := db.KeepSession(t.Context(), cfg, func(ctx context.Context, s *bmdb.Session) error {
+				ids = append(ids, s.ID())
+				return tt.fn(t, len(ids), s)
+			})
+			if !errors.Is(err, tt.want) || (tt.want == nil && err != nil) {
+				t.Errorf("KeepSession() = %v, want %v", err, tt.want)
+			}
+			if len(ids) != tt.runs || tt.runs == 2 && ids[0] == ids[1] {
+				t.Errorf("fn ran with sessions %v, want %d different ones", ids, tt.runs)
+			}
+			for _, id := range ids {
+				if closed := bmdbtest.Scalar[bool](t, db, "SELECT closed_at IS NOT NULL FROM sessions WHERE session_id = $1", id); !closed {
+					t.Errorf("session %s not closed when KeepSession returned", id)
+				}
+			}
+		})
+	}
+	t.Run("invalid config", func(t *testing.T) {
+		err := db.KeepSession(t.Context(), bmdb.SessionConfig{}, func(context.Context, *bmdb.Session) error {
+			t.Error("fn ran with an invalid config")
+			return nil
+		})
+		if err == nil || !strings.Contains(err.Error(), "Component is required") {
+			t.Errorf("KeepSession(invalid config) = %v, want the validation error", err)
+		}
+	})
+}
+
+// TestDeleteSessions checks which sessions the janitor's DeleteSessions
+// removes: ended (closed, or past the deadline) longer than the retention
+// ago, and holding no work.
+func TestDeleteSessions(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	live := bmdbtest.Session(t, db, "live", time.Minute)
+	bmdbtest.AddMachine(t, db, live, "p")
+	start := func(component string) *bmdb.Session {
+		t.Helper()
+		s, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: component, Lease: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	closedLongAgo, closedJustNow, expiredWithWork := start("closed-long-ago"), start("closed-just-now"), start("expired-with-work")
+	for _, s := range []*bmdb.Session{closedLongAgo, closedJustNow} {
+		if err := s.Close(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db.Exec(t, "UPDATE sessions SET closed_at = now() - interval '2 hours' WHERE session_id = $1", closedLongAgo.ID())
+	if _, err := expiredWithWork.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")); err != nil {
+		t.Fatal(err)
+	}
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '2 hours' WHERE session_id = $1", expiredWithWork.ID())
+
+	if _, err := db.DeleteSessions(t.Context(), -time.Second); err == nil || !strings.Contains(err.Error(), "retention must be >= 0") {
+		t.Errorf("DeleteSessions(-1s) = %v, want an error about the retention", err)
+	}
+	remaining := func() []string {
+		t.Helper()
+		return bmdbtest.Scalar[[]string](t, db, "SELECT array_agg(component ORDER BY component) FROM sessions")
+	}
+	for _, step := range []struct {
+		retention time.Duration
+		deleted   int64
+		left      []string
+	}{
+		{time.Hour, 1, []string{"closed-just-now", "expired-with-work", "live"}},
+		{0, 1, []string{"expired-with-work", "live"}},
+	} {
+		n, err := db.DeleteSessions(t.Context(), step.retention)
+		if err != nil || n != step.deleted {
+			t.Errorf("DeleteSessions(%s) = %d, %v; want %d", step.retention, n, err, step.deleted)
+		}
+		if diff := cmp.Diff(step.left, remaining()); diff != "" {
+			t.Errorf("sessions left after DeleteSessions(%s) (-want +got):\n%s", step.retention, diff)
+		}
+	}
+	// Once its work has expired, the dead session goes too.
+	if _, err := db.ExpireWork(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := db.DeleteSessions(t.Context(), time.Hour); err != nil || n != 1 {
+		t.Errorf("DeleteSessions after expiring the dead session's work = %d, %v; want 1", n, err)
+	}
+	_ = expiredWithWork.Close(t.Context())
+}
