@@ -31,7 +31,7 @@ func TestSessionRenewal(t *testing.T) {
 	// A lease long enough that a loaded machine cannot delay a renewal past
 	// it (two renewals may be late before it runs out); TestSessionRenewalTiming
 	// checks the schedule itself, on a virtual clock.
-	const lease = 3 * time.Second
+	const lease = 5 * time.Second
 	s := bmdbtest.Session(t, db, "test", lease)
 	first := bmdbtest.Scalar[time.Time](t, db, "SELECT deadline FROM sessions WHERE session_id = $1", s.ID())
 	// Wait until, by the database's clock, the first deadline is a lease in
@@ -72,7 +72,7 @@ func TestSessionLost(t *testing.T) {
 	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg})
 	// Long enough for no renewal to be late on a loaded machine; the
 	// session is lost because the database says so, at the next renewal.
-	const lease = 3 * time.Second
+	const lease = 5 * time.Second
 	s := bmdbtest.Session(t, db, "test", lease)
 	bmdbtest.AddMachine(t, db, s, "p")
 	bmdbtest.AddMachine(t, db, s, "p")
@@ -445,7 +445,7 @@ func TestKeepSessionReplacesLostSessions(t *testing.T) {
 	defer cancel()
 	// Long enough that no session is lost to a loaded machine: the first
 	// is lost because the database expires it.
-	const lease = 3 * time.Second
+	const lease = 5 * time.Second
 	ids := make(chan uuid.UUID, 10)
 	done := make(chan error, 1)
 	go func() {
@@ -485,7 +485,7 @@ const crashHelperEnv = "SHEPHERD_BMDB_CRASH_HELPER_URL"
 // SPEC allows between the crash and the deadline, long enough that a
 // renewal the helper sent just before it died cannot reach past it however
 // late a loaded machine runs it.
-const crashLease = 3 * time.Second
+const crashLease = 5 * time.Second
 
 // TestCrashHelper is the process that crashes. It only does anything when
 // started by TestCrashedSessionReleasesWork.

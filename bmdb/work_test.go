@@ -143,8 +143,12 @@ func TestWorkOnSessionTheDatabaseExpired(t *testing.T) {
 // loseCommitReply runs end, which must write a history row of event, and
 // loses the reply to its COMMIT: the commit waits (a deferred trigger takes
 // an advisory lock the test holds) until the proxy drops replies, then
-// completes unheard. It returns end's error, with the proxy passing again.
-func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event bmdb.Event, end func(ctx context.Context) error) error {
+// completes unheard, and then the connection breaks. committed reports,
+// from the database, whether end's work has committed. loseCommitReply
+// returns end's error, with the proxy passing again. Nothing waits on a
+// clock: however slow the machine, the commit happens and its reply is lost.
+func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event bmdb.Event,
+	end func(ctx context.Context) error, committed func(ctx context.Context) (bool, error)) error {
 	t.Helper()
 	const key = 4242
 	db.Exec(t, fmt.Sprintf(`CREATE OR REPLACE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -161,11 +165,7 @@ func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event
 		t.Fatal(err)
 	}
 	result := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
-		defer cancel()
-		result <- end(ctx)
-	}()
+	go func() { result <- end(t.Context()) }()
 	bmdbtest.WaitFor(t, 30*time.Second, "the COMMIT waits for the test's lock", func(ctx context.Context) (bool, error) {
 		var waiting bool
 		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
@@ -175,9 +175,9 @@ func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event
 	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
 		t.Fatal(err)
 	}
-	err = <-result
-	proxy.SetMode(tcpproxy.Pass)
-	return err
+	bmdbtest.WaitFor(t, 30*time.Second, "the end commits", committed)
+	proxy.SetMode(tcpproxy.Pass) // resets the connection that lost the reply
+	return <-result
 }
 
 // TestEndAfterLostCommit ends work with the reply of its COMMIT lost, then
@@ -207,7 +207,8 @@ func TestEndAfterLostCommit(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = loseCommitReply(t, db, proxy, tt.event, func(ctx context.Context) error { return tt.first(ctx, w) })
+			err = loseCommitReply(t, db, proxy, tt.event, func(ctx context.Context) error { return tt.first(ctx, w) },
+				func(context.Context) (bool, error) { return workRows(t, db, id, s.ID()) == 0, nil })
 			if err == nil || !bmdb.Unavailable(err) {
 				t.Fatalf("first end with its COMMIT's reply lost: %v, want an error that says the database was unavailable", err)
 			}
