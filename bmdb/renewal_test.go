@@ -124,6 +124,7 @@ func TestSessionRenewalTiming(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { _ = s.Close(context.Background()) }) // before the BMDB closes
 		// Far more failed renewals than the retries below allow: renewal no
 		// longer pauses. Close the session, so that the test can say so.
 		logs.onFlood(100, func() { go s.Close(context.Background()) })

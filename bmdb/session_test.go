@@ -456,14 +456,21 @@ func TestKeepSessionReplacesLostSessions(t *testing.T) {
 				return nil
 			})
 	}()
-	first := <-ids
-	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", first)
-	var second uuid.UUID
-	select {
-	case second = <-ids:
-	case <-time.After(10 * lease):
-		t.Fatal("no new session after the first was lost")
+	next := func(what string) uuid.UUID {
+		t.Helper()
+		select {
+		case id := <-ids:
+			return id
+		case err := <-done:
+			t.Fatalf("KeepSession returned %v before %s", err, what)
+		case <-time.After(10 * lease):
+			t.Fatalf("no %s", what)
+		}
+		return uuid.Nil
 	}
+	first := next("first session")
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", first)
+	second := next("new session after the first was lost")
 	if second == first {
 		t.Fatal("KeepSession reused the lost session")
 	}
@@ -755,8 +762,14 @@ func TestKeepSessionReturns(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var ids []uuid.UUID
-			err := db.KeepSession(t.Context(), cfg, func(ctx context.Context, s *bmdb.Session) error {
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			err := db.KeepSession(ctx, cfg, func(ctx context.Context, s *bmdb.Session) error {
 				ids = append(ids, s.ID())
+				if len(ids) > tt.runs {
+					cancel() // KeepSession should have returned: stop it, so that the test can say so
+					return nil
+				}
 				return tt.fn(t, len(ids), s)
 			})
 			if !errors.Is(err, tt.want) || (tt.want == nil && err != nil) {
