@@ -3,11 +3,13 @@ package bmdb_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
@@ -35,12 +37,21 @@ func TestBackoffPolicyNext(t *testing.T) {
 			[]time.Duration{10 * s, 10 * s, 10 * s}},
 		{"exponent 1 is constant", bmdb.BackoffPolicy{Initial: 7 * s, Exponent: 1},
 			[]time.Duration{7 * s, 7 * s, 7 * s}},
+		{"exponent 1 is constant, not rounded up", bmdb.BackoffPolicy{Initial: 1500 * time.Millisecond, Exponent: 1},
+			[]time.Duration{1500 * time.Millisecond, 1500 * time.Millisecond}},
 		{"exponent 0 is constant", bmdb.BackoffPolicy{Initial: 7 * s},
 			[]time.Duration{7 * s, 7 * s, 7 * s}},
 		{"exponent below 1 is constant", bmdb.BackoffPolicy{Initial: 7 * s, Exponent: 0.5},
 			[]time.Duration{7 * s, 7 * s, 7 * s}},
 		{"huge growth saturates at the cap", bmdb.BackoffPolicy{Initial: time.Hour, Maximum: 24 * time.Hour, Exponent: 1e6},
 			[]time.Duration{time.Hour, 24 * time.Hour, 24 * time.Hour}},
+		// 3600 s × 1e9 does not fit a time.Duration: no wrap-around.
+		{"growth beyond time.Duration saturates at the cap", bmdb.BackoffPolicy{Initial: time.Hour, Maximum: 24 * time.Hour, Exponent: 1e9},
+			[]time.Duration{time.Hour, 24 * time.Hour}},
+		{"growth beyond time.Duration without a cap saturates", bmdb.BackoffPolicy{Initial: time.Hour, Exponent: 1e9},
+			[]time.Duration{time.Hour, math.MaxInt64, math.MaxInt64}},
+		{"cap reached exactly", bmdb.BackoffPolicy{Initial: 10 * s, Maximum: 20 * s, Exponent: 2},
+			[]time.Duration{10 * s, 20 * s, 20 * s}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -66,6 +77,10 @@ func TestBackoffPolicyValidate(t *testing.T) {
 		"no initial":        {},
 		"negative initial":  {Initial: -time.Second},
 		"maximum < initial": {Initial: time.Minute, Maximum: time.Second},
+		"negative maximum":  {Initial: time.Second, Maximum: -time.Second},
+		"NaN exponent":      {Initial: time.Second, Exponent: math.NaN()},
+		"infinite exponent": {Initial: time.Second, Exponent: math.Inf(1)},
+		"NaN jitter":        {Initial: time.Second, Jitter: math.NaN()},
 		"negative exponent": {Initial: time.Second, Exponent: -2},
 		"jitter above 1":    {Initial: time.Second, Jitter: 1.5},
 		"negative jitter":   {Initial: time.Second, Jitter: -0.1},
@@ -74,6 +89,21 @@ func TestBackoffPolicyValidate(t *testing.T) {
 	for name, p := range bad {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%s: Validate() = nil, want an error", name)
+		}
+	}
+	good := map[string]bmdb.BackoffPolicy{
+		"defaults":          {Initial: time.Second},
+		"maximum = initial": {Initial: time.Minute, Maximum: time.Minute},
+		"no jitter given":   {Initial: time.Second, Jitter: 0},
+		"jitter 1":          {Initial: time.Second, Jitter: 1},
+		"exponent 0":        {Initial: time.Second, Exponent: 0},
+		"never quarantine":  {Initial: time.Second, MaxAttempts: 0},
+		"agent start":       bmdb.AgentStartBackoff(),
+		"recovery":          bmdb.RecoveryBackoff(),
+	}
+	for name, p := range good {
+		if err := p.Validate(); err != nil {
+			t.Errorf("%s: Validate() = %v, want nil", name, err)
 		}
 	}
 }
@@ -97,7 +127,8 @@ func failOnce(t *testing.T, db *bmdbtest.DB, s *bmdb.Session, process bmdb.Proce
 
 func TestBackoffInDatabase(t *testing.T) {
 	t.Parallel()
-	db := bmdbtest.New(t)
+	reg := prometheus.NewRegistry()
+	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg})
 	s := bmdbtest.Session(t, db, "test", time.Minute)
 	id := bmdbtest.AddMachine(t, db, s, "p")
 	cands := bmdb.AgentStartCandidates("p")
@@ -123,9 +154,12 @@ func TestBackoffInDatabase(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if stored.Interval != want || stored.Attempts != i+1 || stored.Cause != "ssh: connection refused" {
-			t.Fatalf("failure %d: stored %+v", i+1, stored)
+		if stored.Interval != want || stored.Attempts != i+1 || stored.Cause != "ssh: connection refused" || stored.Quarantined || !stored.Until.Equal(b.Until) {
+			t.Fatalf("failure %d: stored %+v, returned %+v", i+1, stored, b)
 		}
+	}
+	if got := counterValue(t, reg, "shepherd_bmdb_work_quarantined_total"); got != 0 {
+		t.Errorf("work_quarantined_total = %v before the fifth failure, want 0", got)
 	}
 
 	// The fifth failure in a row quarantines: the machine stays out even
@@ -133,6 +167,12 @@ func TestBackoffInDatabase(t *testing.T) {
 	b := failOnce(t, db, s, bmdb.ProcessAgentStart, cands, policy, "ssh: host key mismatch")
 	if !b.Quarantined || b.Attempts != 5 {
 		t.Fatalf("fifth failure: %+v, want quarantined after 5 attempts", b)
+	}
+	if stored, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart); err != nil || !stored.Quarantined || stored.Attempts != 5 {
+		t.Fatalf("stored after the fifth failure: %+v, %v; want quarantined after 5 attempts", stored, err)
+	}
+	if got := counterValue(t, reg, "shepherd_bmdb_work_quarantined_total", "process", "AgentStart"); got != 1 {
+		t.Errorf("work_quarantined_total = %v after the fifth failure, want 1", got)
 	}
 	db.Exec(t, "UPDATE work_backoff SET backoff_until = now() - interval '1 hour'")
 	if _, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands); !errors.Is(err, bmdb.ErrNothingToDo) {
@@ -194,39 +234,70 @@ func TestBackoffInDatabase(t *testing.T) {
 	}
 }
 
+// TestBackoffWithoutQuarantine checks that a policy with MaxAttempts 0 never
+// quarantines, however often the machine fails.
+func TestBackoffWithoutQuarantine(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	bmdbtest.AddMachine(t, db, s, "p")
+	policy := bmdb.BackoffPolicy{Initial: time.Minute, Exponent: 2}
+	for i := 1; i <= 3; i++ {
+		b := failOnce(t, db, s, bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"), policy, "boom")
+		if b.Quarantined || b.Attempts != i {
+			t.Fatalf("failure %d: %+v, want %d attempts and no quarantine", i, b, i)
+		}
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work_history WHERE event = 'Quarantined'"); n != 0 {
+		t.Errorf("%d Quarantined history rows, want none", n)
+	}
+}
+
 // TestJitterSpreadsRetries fails many machines at once and checks that their
 // retries are spread over the jitter window, not bunched at one instant.
 func TestJitterSpreadsRetries(t *testing.T) {
 	t.Parallel()
-	db := bmdbtest.New(t)
-	s := bmdbtest.Session(t, db, "test", time.Minute)
-	const n = 200
-	for range n {
-		bmdbtest.AddMachine(t, db, s, "p")
-	}
-	policy := bmdb.BackoffPolicy{Initial: 100 * time.Second, Jitter: 0.2}
-	for range n {
-		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := w.Fail(context.WithoutCancel(t.Context()), policy, "boom"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Every wait lies within [100 s, 120 s] of its failure, and the waits
-	// cover most of that window.
-	var lo, hi float64
-	if err := db.Pool.QueryRow(t.Context(), `
-		SELECT min(extract(epoch FROM b.backoff_until - h.at)), max(extract(epoch FROM b.backoff_until - h.at))
-		FROM work_backoff b JOIN work_history h ON h.machine_id = b.machine_id AND h.event = 'Failed'`).Scan(&lo, &hi); err != nil {
-		t.Fatal(err)
-	}
-	if lo < 100 || hi > 120 {
-		t.Errorf("waits span [%.2f s, %.2f s], want within [100 s, 120 s]", lo, hi)
-	}
-	if hi-lo < 10 {
-		t.Errorf("waits span only %.2f s of the 20 s jitter window", hi-lo)
+	for _, tt := range []struct {
+		name   string
+		jitter float64
+		window float64 // seconds of the jitter window after 100 s
+	}{
+		{"jitter 0.2", 0.2, 20},
+		{"default jitter", 0, 100 * bmdb.DefaultJitter},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			db := bmdbtest.New(t)
+			s := bmdbtest.Session(t, db, "test", time.Minute)
+			const n = 200
+			for range n {
+				bmdbtest.AddMachine(t, db, s, "p")
+			}
+			policy := bmdb.BackoffPolicy{Initial: 100 * time.Second, Jitter: tt.jitter}
+			for range n {
+				w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := w.Fail(context.WithoutCancel(t.Context()), policy, "boom"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Every wait lies within [100 s, 100 s + window] of its failure,
+			// and the waits cover most of that window.
+			var lo, hi float64
+			if err := db.Pool.QueryRow(t.Context(), `
+				SELECT min(extract(epoch FROM b.backoff_until - h.at)), max(extract(epoch FROM b.backoff_until - h.at))
+				FROM work_backoff b JOIN work_history h ON h.machine_id = b.machine_id AND h.event = 'Failed'`).Scan(&lo, &hi); err != nil {
+				t.Fatal(err)
+			}
+			if lo < 100 || hi > 100+tt.window {
+				t.Errorf("waits span [%.2f s, %.2f s], want within [100 s, %.0f s]", lo, hi, 100+tt.window)
+			}
+			if hi-lo < tt.window/2 {
+				t.Errorf("waits span only %.2f s of the %.0f s jitter window", hi-lo, tt.window)
+			}
+		})
 	}
 }
 
@@ -241,6 +312,17 @@ func TestParseBackoff(t *testing.T) {
 	}
 	if again, err := bmdb.ParseBackoff(p.String()); err != nil || again != p {
 		t.Errorf("String %q parses back to %v, %v", p.String(), again, err)
+	}
+	// As a flag: Set replaces the policy only with a valid one.
+	var flag bmdb.BackoffPolicy
+	if err := flag.Set("1m,1h,2,5"); err != nil || flag != (bmdb.BackoffPolicy{Initial: time.Minute, Maximum: time.Hour, Exponent: 2, MaxAttempts: 5}) {
+		t.Errorf("Set(1m,1h,2,5): %v, %v", flag, err)
+	}
+	if err := flag.Set("1m,1h,2"); err == nil || flag.Initial != time.Minute {
+		t.Errorf("Set of an invalid policy: %v, policy now %v; want an error and the policy unchanged", err, flag)
+	}
+	if flag.Type() == "" {
+		t.Error("Type() is empty")
 	}
 	for in, want := range map[string]string{
 		"5m,4h,1.2":       "want initial,maximum,exponent,attempts",

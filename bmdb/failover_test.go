@@ -131,12 +131,13 @@ func TestFailover(t *testing.T) {
 	defer db.Close()
 
 	// A component session with a short lease, kept by KeepSession: the
-	// outage below outlasts it.
+	// outage below outlasts it. Not shorter: a loaded machine must not
+	// lose it before the outage.
 	sessions := make(chan *bmdb.Session, 4)
 	kctx, stopKeep := context.WithCancel(t.Context())
 	keepDone := make(chan error, 1)
 	go func() {
-		keepDone <- db.KeepSession(kctx, bmdb.SessionConfig{Component: "kept", Lease: 600 * time.Millisecond},
+		keepDone <- db.KeepSession(kctx, bmdb.SessionConfig{Component: "kept", Lease: 2 * time.Second},
 			func(ctx context.Context, s *bmdb.Session) error {
 				sessions <- s
 				<-ctx.Done()

@@ -151,8 +151,10 @@ func TestFleetSnapshotMatchesFleetStates(t *testing.T) {
 }
 
 // TestFleetSnapshotAtScale reads the fleet gauges of a fleet of 100,000
-// machines in 100 racks and logs how long that takes (SPEC §3.6: the janitor
-// runs every 30 s in every process that runs it).
+// machines in 100 racks and checks them against what the tables hold. How
+// long the read takes (SPEC §3.6: the janitor runs every 30 s in every
+// process that runs it) is for `make bench` to measure, not for a test on a
+// shared machine to assert.
 func TestFleetSnapshotAtScale(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
@@ -171,32 +173,50 @@ func TestFleetSnapshotAtScale(t *testing.T) {
 		SELECT machine_id FROM machine_provided ORDER BY md5(machine_id::text) DESC LIMIT 200`)
 	db.Exec(t, "VACUUM ANALYZE")
 
-	var took []time.Duration
-	var snap bmdb.FleetSnapshot
-	for range 5 {
-		start := time.Now()
-		var err error
-		if snap, err = db.FleetSnapshot(t.Context(), 0, 0); err != nil {
-			t.Fatal(err)
-		}
-		took = append(took, time.Since(start))
+	snap, err := db.FleetSnapshot(t.Context(), 0, 0)
+	if err != nil {
+		t.Fatal(err)
 	}
-	slices.Sort(took)
-	t.Logf("fleet gauges of 100,000 machines in 100 racks: %d state series, %d hardware series; read in min %s, median %s, max %s",
-		len(snap.States), len(snap.Hardware), took[0].Round(time.Millisecond), took[2].Round(time.Millisecond), took[4].Round(time.Millisecond))
 	var total, hwMachines int64
+	var threads, memory float64
 	for _, s := range snap.States {
 		total += s.Machines
 	}
 	for _, h := range snap.Hardware {
 		hwMachines += h.Machines
+		threads += h.CPUThreads
+		memory += h.MemoryBytes
 	}
 	if total != 100_000 || hwMachines != 97_000 || len(snap.Hardware) != 100 {
 		t.Errorf("snapshot counts %d machines, %d with hardware in %d locations; want 100,000, 97,000 and 100", total, hwMachines, len(snap.Hardware))
 	}
-	// A generous bound: the figure is logged, and only a plan that probes
-	// per machine (seconds at this size) should fail the test.
-	if took[2] > 3*time.Second {
-		t.Errorf("reading the fleet gauges took %s (median), want well under a janitor period", took[2])
+	if threads != 64*97_000 || memory != 97_000*float64(256<<30) {
+		t.Errorf("snapshot totals %v threads and %v bytes of memory, want 64 and 256 GiB for each of 97,000 machines", threads, memory)
+	}
+	// The set-based snapshot tells the same as FleetStates.
+	states, err := db.FleetStates(t.Context(), "p", 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(map[string]map[bmdb.MachineState]int64{"p": states}, statesByProvider(snap)); diff != "" {
+		t.Errorf("snapshot states differ from FleetStates (-FleetStates +snapshot):\n%s", diff)
+	}
+	if diff := cmp.Diff(map[bmdb.Process]int64{bmdb.ProcessAgentStart: 500}, snap.LiveWork); diff != "" {
+		t.Errorf("live work (-want +got):\n%s", diff)
+	}
+	var active, quarantined int64
+	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE quarantined_at IS NULL AND backoff_until > now()),
+		count(*) FILTER (WHERE quarantined_at IS NOT NULL) FROM work_backoff`).Scan(&active, &quarantined); err != nil {
+		t.Fatal(err)
+	}
+	wantBackoffs := []bmdb.BackoffCount{
+		{Process: bmdb.ProcessRecovery, Quarantined: false, Machines: active},
+		{Process: bmdb.ProcessRecovery, Quarantined: true, Machines: quarantined},
+	}
+	if diff := cmp.Diff(wantBackoffs, snap.Backoffs); diff != "" {
+		t.Errorf("backoffs (-want +got):\n%s", diff)
+	}
+	if len(snap.Decommissioned) != 0 {
+		t.Errorf("decommissioned %v, want none (200 requests, none carried out)", snap.Decommissioned)
 	}
 }
