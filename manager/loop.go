@@ -92,15 +92,21 @@ const (
 )
 
 // Validate reports the first problem with the configuration. It changes nothing.
+//
+// The checks are if statements, not the cases of a switch: gremlins (the
+// mutation tester, see mutate/) cannot see which case expressions the tests
+// reach, and would leave their mutants untested.
 func (c LoopConfig) Validate(what string) error {
-	switch {
-	case c.Parallelism < 0:
+	if c.Parallelism < 0 {
 		return fmt.Errorf("%s: Parallelism must be >= 0 (0 = default), got %d", what, c.Parallelism)
-	case c.IdleSleep < 0:
+	}
+	if c.IdleSleep < 0 {
 		return fmt.Errorf("%s: IdleSleep must be >= 0 (0 = default), got %s", what, c.IdleSleep)
-	case c.Lease < 0:
+	}
+	if c.Lease < 0 {
 		return fmt.Errorf("%s: Lease must be >= 0 (0 = default), got %s", what, c.Lease)
-	case c.WorkTimeout < 0:
+	}
+	if c.WorkTimeout < 0 {
 		return fmt.Errorf("%s: WorkTimeout must be >= 0 (0 = default %s), got %s", what, DefaultWorkTimeout, c.WorkTimeout)
 	}
 	return c.QueryLimit.validate(what)

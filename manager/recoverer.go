@@ -50,20 +50,24 @@ type RecovererConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c RecovererConfig) Validate() error {
 	if err := c.Loop.Validate("recoverer"); err != nil {
 		return err
 	}
-	switch {
-	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0:
+	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 {
 		return errors.New("recoverer: durations must be >= 0 (0 = default)")
-	case c.Window > bmdb.MaxRecoveryWindow:
+	}
+	if c.Window > bmdb.MaxRecoveryWindow {
 		return fmt.Errorf("recoverer: Window must be at most %s (reboots are kept that long), got %s", bmdb.MaxRecoveryWindow, c.Window)
-	case c.MaxRebootsPerWindow < 0:
+	}
+	if c.MaxRebootsPerWindow < 0 {
 		return fmt.Errorf("recoverer: MaxRebootsPerWindow must be >= 0 (0 = 5%% of the fleet), got %d", c.MaxRebootsPerWindow)
-	case c.MaxRebootsWithoutHeartbeat < 0:
+	}
+	if c.MaxRebootsWithoutHeartbeat < 0 {
 		return fmt.Errorf("recoverer: MaxRebootsWithoutHeartbeat must be >= 0 (0 = default 3), got %d", c.MaxRebootsWithoutHeartbeat)
-	case c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction):
+	}
+	if c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction) {
 		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
 	}
 	if c.Backoff != (bmdb.BackoffPolicy{}) {
@@ -349,10 +353,11 @@ func ReadBreaker(ctx context.Context, db *bmdb.DB, provider string, cfg Recovere
 	if st.Budget == 0 {
 		st.Budget = int64(math.Max(1, math.Floor(0.05*float64(st.Provided))))
 	}
-	switch {
-	case st.Started > 0 && float64(st.Silent) > cfg.SilentFraction*float64(st.Started):
+	// Ifs, not a switch, so that gremlins tests these boundaries (see
+	// LoopConfig.Validate).
+	if st.Started > 0 && float64(st.Silent) > cfg.SilentFraction*float64(st.Started) {
 		st.Paused = "silent_fraction"
-	case st.RebootsInWindow >= st.Budget:
+	} else if st.RebootsInWindow >= st.Budget {
 		st.Paused = "reboot_budget"
 	}
 	return st, nil

@@ -49,13 +49,15 @@ type UpdaterConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c UpdaterConfig) Validate() error {
-	switch {
-	case c.ChangingPeriod < 0:
+	if c.ChangingPeriod < 0 {
 		return fmt.Errorf("updater: ChangingPeriod must be >= 0 (0 = default %s), got %s", defaultChangingPeriod, c.ChangingPeriod)
-	case c.StablePeriod < 0:
+	}
+	if c.StablePeriod < 0 {
 		return fmt.Errorf("updater: StablePeriod must be >= 0 (0 = default %s), got %s", defaultStablePeriod, c.StablePeriod)
-	case c.Lease < 0:
+	}
+	if c.Lease < 0 {
 		return fmt.Errorf("updater: Lease must be >= 0 (0 = default), got %s", c.Lease)
 	}
 	if err := c.Listing.validate("updater"); err != nil {
