@@ -87,6 +87,9 @@ type Recoverer struct {
 	runner  *Runner
 	log     *slog.Logger
 	breaker *breaker
+	// admitted, if set, is told every answer of the breaker to a worker
+	// that asks whether it may claim. Tests set it before Run.
+	admitted func(allowed bool)
 }
 
 // NewRecoverer validates cfg and returns the recoverer for provider p,
@@ -119,12 +122,21 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 		Candidates: rc.candidates,
 		Backoff:    cfg.Backoff,
 		Do:         rc.recover,
-		Admit:      b.allow,
+		Admit:      rc.admit,
 	}, db, reg, log)
 	if err != nil {
 		return nil, err
 	}
 	return rc, nil
+}
+
+// admit is the loop's Admit: the breaker's answer.
+func (rc *Recoverer) admit(ctx context.Context) bool {
+	ok := rc.breaker.allow(ctx)
+	if rc.admitted != nil {
+		rc.admitted(ok)
+	}
+	return ok
 }
 
 func (rc *Recoverer) candidates() bmdb.Candidates {
@@ -195,6 +207,9 @@ var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window us
 // every recoverer process sees the same picture.
 type breaker struct {
 	rc *Recoverer
+	// read computes the breaker from the BMDB: ReadBreaker with rc's
+	// provider and configuration.
+	read func(context.Context) (BreakerState, error)
 
 	mu        sync.Mutex
 	checkedAt time.Time
@@ -214,6 +229,9 @@ func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
 	labels := prometheus.Labels{"provider": rc.p.Name()}
 	b := &breaker{
 		rc: rc,
+		read: func(ctx context.Context) (BreakerState, error) {
+			return ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
+		},
 		pausedGauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name:        "shepherd_recovery_breaker_paused",
 			Help:        "1 while the recoverer's circuit breaker holds reboots back, by reason (silent_fraction, reboot_budget).",
@@ -277,7 +295,7 @@ func (b *breaker) refresh(ctx context.Context, force bool) error {
 		return nil
 	}
 	rc := b.rc
-	st, err := ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
+	st, err := b.read(ctx)
 	if err != nil {
 		return err
 	}

@@ -91,6 +91,8 @@ type Updater struct {
 	// waiting, if set, is told the (unjittered) period Run waits after
 	// each pass. Tests set it before Run.
 	waiting func(time.Duration)
+	// isChanging is changing; tests of wait replace it.
+	isChanging func(context.Context) (bool, error)
 }
 
 type updaterMetrics struct {
@@ -143,6 +145,7 @@ func NewUpdater(cfg UpdaterConfig, db *bmdb.DB, p provider.Provider, reg prometh
 	}
 	u := &Updater{cfg: cfg, db: db, p: p, log: log.With("component", "updater", "provider", p.Name()), metrics: m, check: check}
 	u.describes.Store(true)
+	u.isChanging = u.changing
 	return u, nil
 }
 
@@ -192,7 +195,7 @@ func (u *Updater) wait(ctx context.Context, period time.Duration) {
 		if ctx.Err() != nil {
 			return
 		}
-		if changing, err := u.changing(ctx); err == nil && changing {
+		if changing, err := u.isChanging(ctx); err == nil && changing {
 			u.log.DebugContext(ctx, "a machine is changing; ending the stable wait early")
 			return
 		}
