@@ -91,7 +91,7 @@ type Updater struct {
 	// waiting, if set, is told the (unjittered) period Run waits after
 	// each pass. Tests set it before Run.
 	waiting func(time.Duration)
-	// isChanging is changing; tests of wait replace it.
+	// isChanging is changing; tests replace it.
 	isChanging func(context.Context) (bool, error)
 }
 
@@ -254,7 +254,7 @@ func (u *Updater) Pass(ctx context.Context, s *bmdb.Session) (UpdateResult, erro
 		u.metrics.passes.WithLabelValues("busy").Inc()
 		res.Busy = true
 	}
-	changing, cerr := u.changing(ctx)
+	changing, cerr := u.isChanging(ctx)
 	res.Changing = changing || cerr != nil
 	if err == nil && cerr != nil {
 		err = cerr
