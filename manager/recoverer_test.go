@@ -128,7 +128,9 @@ func (r *recordingRebooter) RebootMachine(ctx context.Context, id string) error 
 	return r.fail(id)
 }
 
-func (r *recordingRebooter) ReinstallMachine(context.Context, string) error { return provider.ErrUnsupported }
+func (r *recordingRebooter) ReinstallMachine(context.Context, string) error {
+	return provider.ErrUnsupported
+}
 
 func (r *recordingRebooter) rebooted(id string) (int, time.Duration) {
 	r.mu.Lock()
