@@ -379,7 +379,9 @@ func TestProvisionerRun(t *testing.T) {
 			return metricValue(t, reg, "shepherd_provisioner_passes_total", "result", result)
 		}
 		if tt.fails {
-			bmdbtest.WaitFor(t, 60*time.Second, "two failed passes", func(context.Context) (bool, error) { return passes("error") >= 2, nil })
+			bmdbtest.WaitFor(t, 60*time.Second, "two failed passes, logged", func(context.Context) (bool, error) {
+				return passes("error") >= 2 && len(logs.with("reconcile pass failed")) >= 2, nil
+			})
 		} else {
 			bmdbtest.WaitFor(t, 60*time.Second, "every capacity created, a chunk at a time", func(context.Context) (bool, error) {
 				return len(ourIDs(t, db, tt.name)) == 3 && passes("ok") >= 4, nil
