@@ -118,10 +118,14 @@ func TestRunnerRecordsRefusedEnds(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
+	claims := func(result string) float64 { return counter(t, reg, "shepherd_loop_claims_total", "process=AgentStart,result="+result) }
 	bmdbtest.WaitFor(t, 60*time.Second, "both machines' first work ended", func(ctx context.Context) (bool, error) {
-		return lastEvent(t, db, refused) == bmdb.EventFailed && calls.Load() >= 2, nil
+		return lastEvent(t, db, refused) == bmdb.EventFailed && calls.Load() >= 2 && claims("failed") >= 1 && claims("canceled") >= 1, nil
 	})
 	retries := metricValue(t, reg, "shepherd_loop_end_retries_total", "process", "AgentStart")
+	if claims("failed") != 1 || claims("canceled") != 1 || claims("finished") != 0 {
+		t.Errorf("claims ended: failed %v, canceled %v, finished %v; want 1, 1, 0", claims("failed"), claims("canceled"), claims("finished"))
+	}
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
