@@ -154,7 +154,8 @@ func TestBreakerRefresh(t *testing.T) {
 		st := BreakerState{RebootsInWindow: 2, Budget: 5}
 		var readErr error
 		reg := prometheus.NewRegistry()
-		b := testBreaker(t, reg, slog.DiscardHandler, func(context.Context) (BreakerState, error) {
+		h := newCapture()
+		b := testBreaker(t, reg, h, func(context.Context) (BreakerState, error) {
 			reads++
 			return st, readErr
 		})
@@ -199,7 +200,11 @@ func TestBreakerRefresh(t *testing.T) {
 			t.Errorf("paused gauges: reboot_budget %v, silent_fraction %v; want 0 and 1", paused("reboot_budget"), paused("silent_fraction"))
 		}
 
-		// A database that cannot say admits nothing.
+		if got := h.with("checking the circuit breaker"); len(got) != 0 {
+			t.Errorf("warnings about reading the breaker while it could be read: %+v", got)
+		}
+
+		// A database that cannot say admits nothing, and is warned about.
 		readErr = errors.New("database down")
 		time.Sleep(breakerRefresh)
 		if b.allow(ctx) {
@@ -208,9 +213,12 @@ func TestBreakerRefresh(t *testing.T) {
 		if _, err := b.budget(ctx); !errors.Is(err, readErr) {
 			t.Errorf("budget() error = %v, want %v", err, readErr)
 		}
-		b.refused(ctx) // logs, and must not panic
+		b.refused(ctx)
 		if reads != 6 {
 			t.Errorf("%d reads, want 6 (a failed read is tried again each time)", reads)
+		}
+		if got := h.with("checking the circuit breaker"); len(got) != 2 || got[0].level != slog.LevelWarn || got[0].attrs["err"].String() != "database down" {
+			t.Errorf("warnings about failed reads: %+v, want one from allow and one from refused", got)
 		}
 		readErr = nil
 		st = BreakerState{Budget: 6}
