@@ -118,7 +118,9 @@ func TestRunnerRecordsRefusedEnds(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
-	claims := func(result string) float64 { return counter(t, reg, "shepherd_loop_claims_total", "process=AgentStart,result="+result) }
+	claims := func(result string) float64 {
+		return counter(t, reg, "shepherd_loop_claims_total", "process=AgentStart,result="+result)
+	}
 	bmdbtest.WaitFor(t, 60*time.Second, "both machines' first work ended", func(ctx context.Context) (bool, error) {
 		return lastEvent(t, db, refused) == bmdb.EventFailed && calls.Load() >= 2 && claims("failed") >= 1 && claims("canceled") >= 1, nil
 	})

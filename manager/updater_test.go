@@ -467,7 +467,7 @@ func TestUpdaterPeriod(t *testing.T) {
 	p.set(item{id: "m1", status: provider.StatusProvisioning})
 	p.record(t, s, "m1")
 	const changing, stable = 50 * time.Millisecond, time.Hour
-	u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: changing, StablePeriod: stable, Lease: time.Second}, db.DB, p, nil, nil)
+	u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: changing, StablePeriod: stable, Lease: 30 * time.Second}, db.DB, p, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -58,7 +58,7 @@ func TestWorkEndRetriedAfterConnectionLoss(t *testing.T) {
 			}, nil
 		},
 	}
-	r, err := manager.NewRunner("end-retry", manager.LoopConfig{Parallelism: 1, IdleSleep: 50 * time.Millisecond, Lease: 5 * time.Second},
+	r, err := manager.NewRunner("end-retry", manager.LoopConfig{Parallelism: 1, IdleSleep: 50 * time.Millisecond, Lease: 15 * time.Second},
 		loop, db.DB, prometheus.NewRegistry(), nil)
 	if err != nil {
 		t.Fatal(err)
