@@ -48,13 +48,15 @@ type AgentStopConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c AgentStopConfig) Validate() error {
-	switch {
-	case c.SSHKey == nil:
+	if c.SSHKey == nil {
 		return errors.New("decommissioner: AgentStop.SSHKey is required")
-	case c.AgentDir != "" && !path.IsAbs(c.AgentDir):
+	}
+	if c.AgentDir != "" && !path.IsAbs(c.AgentDir) {
 		return fmt.Errorf("decommissioner: AgentStop.AgentDir must be an absolute path, got %q", c.AgentDir)
-	case c.Timeout < 0:
+	}
+	if c.Timeout < 0 {
 		return fmt.Errorf("decommissioner: AgentStop.Timeout must be >= 0 (0 = default 1m), got %s", c.Timeout)
 	}
 	return nil

@@ -25,8 +25,9 @@ import (
 	"github.com/shepherd/shepherd/provider/static"
 )
 
-// fastLoop is a loop configuration for tests: short idle sleeps and lease.
-var fastLoop = manager.LoopConfig{IdleSleep: 100 * time.Millisecond, Lease: 2 * time.Second}
+// fastLoop is a loop configuration for tests: short idle sleeps, and a
+// lease long enough that a loaded machine's stalls do not cost a session.
+var fastLoop = manager.LoopConfig{IdleSleep: 100 * time.Millisecond, Lease: 10 * time.Second}
 
 // runDecommissioner runs a decommissioner of p until the test ends.
 func runDecommissioner(t *testing.T, db *bmdbtest.DB, p provider.Provider, reg prometheus.Registerer, backoff bmdb.BackoffPolicy) {

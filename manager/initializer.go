@@ -58,20 +58,24 @@ type InitializerConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c InitializerConfig) Validate() error {
 	if err := c.Loop.Validate("initializer"); err != nil {
 		return err
 	}
-	switch {
-	case c.ConnectTimeout < 0 || c.ExecTimeout < 0:
+	if c.ConnectTimeout < 0 || c.ExecTimeout < 0 {
 		return errors.New("initializer: timeouts must be >= 0 (0 = default)")
-	case c.SSHKey == nil:
+	}
+	if c.SSHKey == nil {
 		return errors.New("initializer: SSHKey is required")
-	case c.AgentPath == "":
+	}
+	if c.AgentPath == "" {
 		return errors.New("initializer: AgentPath (the local agent binary) is required")
-	case c.ServerEndpoint == "":
+	}
+	if c.ServerEndpoint == "" {
 		return errors.New("initializer: ServerEndpoint (where agents send heartbeats) is required")
-	case c.AgentDir != "" && !path.IsAbs(c.AgentDir):
+	}
+	if c.AgentDir != "" && !path.IsAbs(c.AgentDir) {
 		return fmt.Errorf("initializer: AgentDir must be an absolute path, got %q", c.AgentDir)
 	}
 	if _, _, err := net.SplitHostPort(c.ServerEndpoint); err != nil {

@@ -42,15 +42,18 @@ type JanitorConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c JanitorConfig) Validate() error {
-	switch {
-	case c.Period < 0:
+	if c.Period < 0 {
 		return fmt.Errorf("janitor: Period must be >= 0 (0 = default %s), got %s", defaultJanitorPeriod, c.Period)
-	case c.SessionRetention < 0:
+	}
+	if c.SessionRetention < 0 {
 		return fmt.Errorf("janitor: SessionRetention must be >= 0 (0 = default %s), got %s", defaultSessionRetention, c.SessionRetention)
-	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0:
+	}
+	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 {
 		return errors.New("janitor: heartbeat timeouts must be >= 0 (0 = default)")
-	case c.Lease < 0:
+	}
+	if c.Lease < 0 {
 		return fmt.Errorf("janitor: Lease must be >= 0 (0 = default), got %s", c.Lease)
 	}
 	return nil

@@ -2,6 +2,8 @@ package manager_test
 
 import (
 	"context"
+	"errors"
+	"log/slog"
 	"sort"
 	"strings"
 	"testing"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
 	"github.com/shepherd/shepherd/manager"
 )
 
@@ -295,13 +298,118 @@ func TestJanitorRun(t *testing.T) {
 	}
 }
 
-func TestJanitorConfigValidate(t *testing.T) {
+// TestJanitorLogsAndFailures: a pass that changed something says so at
+// Info, with what it did; a pass that changed nothing logs at Debug only. A
+// pass whose steps fail runs every step and reports each failure, counts an
+// error pass, and keeps the gauges of the last snapshot it read.
+func TestJanitorLogsAndFailures(t *testing.T) {
 	t.Parallel()
-	for _, c := range []manager.JanitorConfig{
-		{Period: -time.Second}, {SessionRetention: -time.Hour}, {HeartbeatTimeout: -1}, {Lease: -1},
-	} {
-		if _, err := manager.NewJanitor(c, nil, nil, nil); err == nil {
-			t.Errorf("NewJanitor(%+v) succeeded, want an error", c)
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	bmdbtest.AddMachine(t, db, setup, "lab")
+	crashed := bmdbtest.Session(t, db, "initializer", time.Minute)
+	if _, err := crashed.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("lab")); err != nil {
+		t.Fatal(err)
+	}
+	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE session_id = $1", crashed.ID())
+	reg := prometheus.NewRegistry()
+	logs := newLogCapture()
+	j, err := manager.NewJanitor(manager.JanitorConfig{}, db.DB, reg, logs.logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now()
+	if _, err := j.Pass(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	after := time.Now()
+	lines := logs.with("janitor pass")
+	if len(lines) != 1 || lines[0].level != slog.LevelInfo || lines[0].attrs["expired_work"] != "1" {
+		t.Errorf("lines of a pass that expired work: %+v, want one at Info saying so", lines)
+	}
+	snapshot := func() float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
 		}
+		for _, mf := range mfs {
+			if mf.GetName() == "shepherd_fleet_snapshot_timestamp_seconds" {
+				return mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		return -1
+	}
+	at := snapshot()
+	if at < float64(before.UnixNano())/1e9 || at > float64(after.UnixNano())/1e9 {
+		t.Errorf("snapshot timestamp %f, want within the pass (%f to %f)", at, float64(before.UnixNano())/1e9, float64(after.UnixNano())/1e9)
+	}
+
+	logs.reset()
+	if _, err := j.Pass(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if lines := logs.with("janitor pass"); len(lines) != 1 || lines[0].level != slog.LevelDebug {
+		t.Errorf("lines of a pass that changed nothing: %+v, want one at Debug", lines)
+	}
+
+	// Every step fails: each failure is reported, none hides another.
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	gaugesBefore := gauges(t, reg, "shepherd_fleet_machines")
+	at = snapshot()
+	_, err = j.Pass(ctx)
+	var joined interface{ Unwrap() []error }
+	if err == nil || !strings.HasPrefix(err.Error(), "janitor: ") || !errors.As(err, &joined) || len(joined.Unwrap()) != 6 {
+		t.Fatalf("a pass whose every step fails: %v, want the 6 failures joined", err)
+	}
+	for _, what := range []string{"expiring work", "deleting old sessions", "sweeping tags", "releasing recovery backoffs", "reboot admissions", "fleet"} {
+		if !strings.Contains(err.Error(), what) {
+			t.Errorf("the failed pass's error does not mention %q: %v", what, err)
+		}
+	}
+	if got := counter(t, reg, "shepherd_janitor_passes_total", "result=error"); got != 1 {
+		t.Errorf("error passes %v, want 1", got)
+	}
+	if got := counter(t, reg, "shepherd_janitor_passes_total", "result=ok"); got != 2 {
+		t.Errorf("ok passes %v, want 2", got)
+	}
+	if got := gauges(t, reg, "shepherd_fleet_machines"); !cmp.Equal(got, gaugesBefore) || snapshot() != at {
+		t.Errorf("after a failed pass the fleet gauges are %v at %f, want the last snapshot's %v at %f", got, snapshot(), gaugesBefore, at)
+	}
+}
+
+// TestJanitorRunThroughOutage: while the database is unreachable, the
+// janitor's passes fail and say so, and it goes on passing once the
+// database is back; a run without failures logs none.
+func TestJanitorRunThroughOutage(t *testing.T) {
+	t.Parallel()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	reg := prometheus.NewRegistry()
+	logs := newLogCapture()
+	j, err := manager.NewJanitor(manager.JanitorConfig{Period: 20 * time.Millisecond, Lease: 30 * time.Second}, db.DB, reg, logs.logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- j.Run(ctx) }()
+	passes := func(result string) float64 { return counter(t, reg, "shepherd_janitor_passes_total", "result="+result) }
+	bmdbtest.WaitFor(t, 60*time.Second, "two passes", func(context.Context) (bool, error) { return passes("ok") >= 2, nil })
+	if got := logs.with("janitor pass failed"); len(got) != 0 {
+		t.Errorf("failures logged while the database answered: %+v", got)
+	}
+	proxy.SetMode(tcpproxy.Reset)
+	bmdbtest.WaitFor(t, 60*time.Second, "a failed pass, logged", func(context.Context) (bool, error) {
+		return passes("error") >= 1 && len(logs.with("janitor pass failed")) >= 1, nil
+	})
+	proxy.SetMode(tcpproxy.Pass)
+	ok := passes("ok")
+	bmdbtest.WaitFor(t, 60*time.Second, "passes once the database is back", func(context.Context) (bool, error) { return passes("ok") > ok, nil })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run() = %v", err)
+	}
+	if l := logs.with("janitor pass failed")[0]; l.level != slog.LevelError || l.attrs["err"] == "" {
+		t.Errorf("failure line %+v, want an error with the cause", l)
 	}
 }

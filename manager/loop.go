@@ -92,15 +92,21 @@ const (
 )
 
 // Validate reports the first problem with the configuration. It changes nothing.
+//
+// The checks are if statements, not the cases of a switch: gremlins (the
+// mutation tester, see mutate/) cannot see which case expressions the tests
+// reach, and would leave their mutants untested.
 func (c LoopConfig) Validate(what string) error {
-	switch {
-	case c.Parallelism < 0:
+	if c.Parallelism < 0 {
 		return fmt.Errorf("%s: Parallelism must be >= 0 (0 = default), got %d", what, c.Parallelism)
-	case c.IdleSleep < 0:
+	}
+	if c.IdleSleep < 0 {
 		return fmt.Errorf("%s: IdleSleep must be >= 0 (0 = default), got %s", what, c.IdleSleep)
-	case c.Lease < 0:
+	}
+	if c.Lease < 0 {
 		return fmt.Errorf("%s: Lease must be >= 0 (0 = default), got %s", what, c.Lease)
-	case c.WorkTimeout < 0:
+	}
+	if c.WorkTimeout < 0 {
 		return fmt.Errorf("%s: WorkTimeout must be >= 0 (0 = default %s), got %s", what, DefaultWorkTimeout, c.WorkTimeout)
 	}
 	return c.QueryLimit.validate(what)
@@ -262,10 +268,16 @@ const maxFailRefusals = 3
 // Each attempt runs without the worker's cancellation (a loop that stops
 // still records what it did) but within one lease.
 func (r *Runner) end(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger, e ending) {
+	r.retryEnd(ctx, s.Context().Done(), log, &e, func(ctx context.Context) error { return r.endOnce(ctx, w, log, &e) })
+}
+
+// retryEnd is end's loop: it calls attemptEnd (which may change e) until it
+// succeeds, finds the work gone, or lost (the session's context) is done.
+func (r *Runner) retryEnd(ctx context.Context, lost <-chan struct{}, log *slog.Logger, e *ending, attemptEnd func(context.Context) error) {
 	pause := endPauseMin
 	for attempt := 1; ; attempt++ {
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Lease)
-		err := r.endOnce(actx, w, log, &e)
+		err := attemptEnd(actx)
 		cancel()
 		switch {
 		case err == nil:
@@ -287,7 +299,7 @@ func (r *Runner) end(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *sl
 		}
 		t := time.NewTimer(jitter(pause))
 		select {
-		case <-s.Context().Done():
+		case <-lost:
 			t.Stop()
 			r.metrics.claims.WithLabelValues("lost").Inc()
 			log.WarnContext(ctx, "session ended before the work could be ended; it is released with the session",

@@ -35,13 +35,15 @@ type ProvisionerConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c ProvisionerConfig) Validate() error {
-	switch {
-	case c.Period < 0 || c.Lease < 0:
+	if c.Period < 0 || c.Lease < 0 {
 		return errors.New("provisioner: durations must be >= 0 (0 = default)")
-	case c.MaxMachines < 0:
+	}
+	if c.MaxMachines < 0 {
 		return fmt.Errorf("provisioner: MaxMachines must be >= 0 (0 = no limit), got %d", c.MaxMachines)
-	case c.ChunkSize < 0:
+	}
+	if c.ChunkSize < 0 {
 		return fmt.Errorf("provisioner: ChunkSize must be >= 0 (0 = default), got %d", c.ChunkSize)
 	}
 	if err := c.Listing.validate("provisioner"); err != nil {

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -236,4 +238,178 @@ func TestProvisionerLease(t *testing.T) {
 	if held, err := b.AcquireProviderLease(t.Context(), "lab"); err != nil || !held {
 		t.Fatalf("B could not take the lease of a dead session: %v", err)
 	}
+}
+
+// TestProvisionerLimits: MaxMachines counts the machines the BMDB has and
+// those a pass adopts, so a pass creates only what is left; a failed
+// creation is counted and the pass goes on with the next capacity; the
+// missing-machines gauge counts the BMDB's machines that are Missing after
+// the pass.
+func TestProvisionerLimits(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	p := newScripted("lab")
+	for i := range 6 {
+		p.set(fmt.Sprintf("cap-%d", i), provider.KnownUnused)
+	}
+	p.failOn["cap-0"] = errors.New("out of stock")
+	reg := prometheus.NewRegistry()
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{ChunkSize: 10, MaxMachines: 4}, db.DB, p, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := bmdbtest.Session(t, db, "provisioner", time.Minute)
+	pass := func(what string) manager.PassResult {
+		t.Helper()
+		r, err := pr.Pass(t.Context(), s)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		return r
+	}
+	// cap-0 fails; cap-1 and cap-2 are created (the limit is 4, and two
+	// orphans are adopted first).
+	p.set("orphan-1", provider.KnownUsed)
+	p.set("orphan-2", provider.KnownUsed)
+	if r := pass("first pass"); r.Adopted != 2 || r.Created != 2 || r.FailedCreates != 1 {
+		t.Fatalf("first pass %+v, want 2 adopted, cap-0 failed and 2 created", r)
+	}
+	if got := ourIDs(t, db, "lab"); len(got) != 4 {
+		t.Fatalf("BMDB machines %v, want 4", got)
+	}
+	if r := pass("pass at the limit"); r.Created != 0 || r.FailedCreates != 0 {
+		t.Fatalf("pass at the limit %+v, want nothing tried", r)
+	}
+	missing := func() float64 { return metricValue(t, reg, "shepherd_provisioner_missing_machines", "provider", "lab") }
+	if got := missing(); got != 0 {
+		t.Errorf("missing machines gauge %v, want 0", got)
+	}
+	p.remove("orphan-1")
+	if r := pass("pass without orphan-1"); r.MarkedMissing != 1 {
+		t.Fatalf("pass without orphan-1 %+v, want it marked missing", r)
+	}
+	if got := missing(); got != 1 {
+		t.Errorf("missing machines gauge %v after one went, want 1", got)
+	}
+	p.remove("orphan-2")
+	if r := pass("pass without orphan-2"); r.MarkedMissing != 1 {
+		t.Fatalf("pass without orphan-2 %+v, want it marked missing", r)
+	}
+	if got := missing(); got != 2 {
+		t.Errorf("missing machines gauge %v after two went, want 2", got)
+	}
+	p.set("orphan-1", provider.KnownUsed)
+	if r := pass("pass with orphan-1 back"); r.Found != 1 {
+		t.Fatalf("pass with orphan-1 back %+v, want it found", r)
+	}
+	if got := missing(); got != 1 {
+		t.Errorf("missing machines gauge %v after one came back, want 1", got)
+	}
+	if got := metricValue(t, reg, "shepherd_provisioner_foreign_machines", "provider", "lab"); got != 0 {
+		t.Errorf("foreign machines gauge %v, want 0", got)
+	}
+	for action, want := range map[string]float64{"created": 2, "adopted": 2, "missing": 2, "found": 1} {
+		if got := metricValue(t, reg, "shepherd_provisioner_machines_total", "action", action); got != want {
+			t.Errorf("machines %s: %v, want %v", action, got, want)
+		}
+	}
+}
+
+// duplicating is a scripted provider whose creations return a machine the
+// BMDB has already.
+type duplicating struct {
+	*scripted
+	id string
+}
+
+func (d duplicating) CreateMachine(context.Context, provider.CreateRequest) (provider.Machine, error) {
+	return scriptedMachine{id: d.id, avail: provider.KnownUsed}, nil
+}
+
+// TestProvisionerRecordFails: a machine the provider created that cannot be
+// recorded ends the pass with the error (the next pass adopts it).
+func TestProvisionerRecordFails(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	p := newScripted("lab")
+	p.set("a", provider.KnownUsed)
+	p.set("cap", provider.KnownUnused)
+	s := bmdbtest.Session(t, db, "provisioner", time.Minute)
+	pr, err := manager.NewProvisioner(manager.ProvisionerConfig{}, db.DB, duplicating{p, "a"}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first pass adopts a; creating from cap then returns a again.
+	r, err := pr.Pass(t.Context(), s)
+	if err == nil || r.Adopted != 1 || r.Created != 0 {
+		t.Errorf("pass whose creation cannot be recorded: %+v, %v; want a adopted and an error", r, err)
+	}
+}
+
+// TestProvisionerRun: the provisioner passes every Period, holding its
+// session, creating what capacity its chunks allow, and logs no failure
+// while its passes succeed; a failing listing is logged at every pass. It
+// gives its lease back without a warning.
+func TestProvisionerRun(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	for _, tt := range []struct {
+		name  string
+		fails bool
+	}{{"good", false}, {"bad", true}} {
+		p := newScripted(tt.name)
+		for i := range 3 {
+			p.set(fmt.Sprintf("cap-%d", i), provider.KnownUnused)
+		}
+		var prov provider.Provider = p
+		if tt.fails {
+			prov = unlistable{p}
+		}
+		logs := newLogCapture()
+		reg := prometheus.NewRegistry()
+		pr, err := manager.NewProvisioner(manager.ProvisionerConfig{Period: 20 * time.Millisecond, ChunkSize: 1, Lease: 30 * time.Second},
+			db.DB, prov, reg, logs.logger())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- pr.Run(ctx) }()
+		passes := func(result string) float64 {
+			return metricValue(t, reg, "shepherd_provisioner_passes_total", "result", result)
+		}
+		if tt.fails {
+			bmdbtest.WaitFor(t, 60*time.Second, "two failed passes, logged", func(context.Context) (bool, error) {
+				return passes("error") >= 2 && len(logs.with("reconcile pass failed")) >= 2, nil
+			})
+		} else {
+			bmdbtest.WaitFor(t, 60*time.Second, "every capacity created, a chunk at a time", func(context.Context) (bool, error) {
+				return len(ourIDs(t, db, tt.name)) == 3 && passes("ok") >= 4, nil
+			})
+			if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'provisioner' AND closed_at IS NULL"); n != 1 {
+				t.Errorf("%d open provisioner sessions while it runs, want 1", n)
+			}
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("%s: Run() = %v", tt.name, err)
+		}
+		failed := logs.with("reconcile pass failed")
+		switch {
+		case !tt.fails && len(failed) != 0:
+			t.Errorf("%s: failures logged: %+v", tt.name, failed)
+		case tt.fails && (len(failed) < 2 || failed[0].level != slog.LevelError || !strings.Contains(failed[0].attrs["err"], "inventory unreadable")):
+			t.Errorf("%s: failure lines %+v, want one per failed pass with the cause", tt.name, failed)
+		}
+		if got := logs.with("releasing the provisioning lease"); len(got) != 0 {
+			t.Errorf("%s: warnings about releasing the lease: %+v", tt.name, got)
+		}
+	}
+}
+
+// unlistable is a scripted provider whose listing fails.
+type unlistable struct{ *scripted }
+
+func (unlistable) ListMachines(context.Context) ([]provider.Machine, error) {
+	return nil, errors.New("inventory unreadable")
 }

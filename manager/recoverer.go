@@ -50,20 +50,24 @@ type RecovererConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c RecovererConfig) Validate() error {
 	if err := c.Loop.Validate("recoverer"); err != nil {
 		return err
 	}
-	switch {
-	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0:
+	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 {
 		return errors.New("recoverer: durations must be >= 0 (0 = default)")
-	case c.Window > bmdb.MaxRecoveryWindow:
+	}
+	if c.Window > bmdb.MaxRecoveryWindow {
 		return fmt.Errorf("recoverer: Window must be at most %s (reboots are kept that long), got %s", bmdb.MaxRecoveryWindow, c.Window)
-	case c.MaxRebootsPerWindow < 0:
+	}
+	if c.MaxRebootsPerWindow < 0 {
 		return fmt.Errorf("recoverer: MaxRebootsPerWindow must be >= 0 (0 = 5%% of the fleet), got %d", c.MaxRebootsPerWindow)
-	case c.MaxRebootsWithoutHeartbeat < 0:
+	}
+	if c.MaxRebootsWithoutHeartbeat < 0 {
 		return fmt.Errorf("recoverer: MaxRebootsWithoutHeartbeat must be >= 0 (0 = default 3), got %d", c.MaxRebootsWithoutHeartbeat)
-	case c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction):
+	}
+	if c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction) {
 		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
 	}
 	if c.Backoff != (bmdb.BackoffPolicy{}) {
@@ -83,6 +87,9 @@ type Recoverer struct {
 	runner  *Runner
 	log     *slog.Logger
 	breaker *breaker
+	// admitted, if set, is told every answer of the breaker to a worker
+	// that asks whether it may claim. Tests set it before Run.
+	admitted func(allowed bool)
 }
 
 // NewRecoverer validates cfg and returns the recoverer for provider p,
@@ -115,12 +122,21 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 		Candidates: rc.candidates,
 		Backoff:    cfg.Backoff,
 		Do:         rc.recover,
-		Admit:      b.allow,
+		Admit:      rc.admit,
 	}, db, reg, log)
 	if err != nil {
 		return nil, err
 	}
 	return rc, nil
+}
+
+// admit is the loop's Admit: the breaker's answer.
+func (rc *Recoverer) admit(ctx context.Context) bool {
+	ok := rc.breaker.allow(ctx)
+	if rc.admitted != nil {
+		rc.admitted(ok)
+	}
+	return ok
 }
 
 func (rc *Recoverer) candidates() bmdb.Candidates {
@@ -191,6 +207,9 @@ var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window us
 // every recoverer process sees the same picture.
 type breaker struct {
 	rc *Recoverer
+	// read computes the breaker from the BMDB: ReadBreaker with rc's
+	// provider and configuration.
+	read func(context.Context) (BreakerState, error)
 
 	mu        sync.Mutex
 	checkedAt time.Time
@@ -210,6 +229,9 @@ func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
 	labels := prometheus.Labels{"provider": rc.p.Name()}
 	b := &breaker{
 		rc: rc,
+		read: func(ctx context.Context) (BreakerState, error) {
+			return ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
+		},
 		pausedGauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name:        "shepherd_recovery_breaker_paused",
 			Help:        "1 while the recoverer's circuit breaker holds reboots back, by reason (silent_fraction, reboot_budget).",
@@ -273,7 +295,7 @@ func (b *breaker) refresh(ctx context.Context, force bool) error {
 		return nil
 	}
 	rc := b.rc
-	st, err := ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
+	st, err := b.read(ctx)
 	if err != nil {
 		return err
 	}
@@ -349,10 +371,11 @@ func ReadBreaker(ctx context.Context, db *bmdb.DB, provider string, cfg Recovere
 	if st.Budget == 0 {
 		st.Budget = int64(math.Max(1, math.Floor(0.05*float64(st.Provided))))
 	}
-	switch {
-	case st.Started > 0 && float64(st.Silent) > cfg.SilentFraction*float64(st.Started):
+	// Ifs, not a switch, so that gremlins tests these boundaries (see
+	// LoopConfig.Validate).
+	if st.Started > 0 && float64(st.Silent) > cfg.SilentFraction*float64(st.Started) {
 		st.Paused = "silent_fraction"
-	case st.RebootsInWindow >= st.Budget:
+	} else if st.RebootsInWindow >= st.Budget {
 		st.Paused = "reboot_budget"
 	}
 	return st, nil

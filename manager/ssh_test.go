@@ -134,7 +134,7 @@ func (f *sshFixture) startInitializer() { f.startInitializerWithTimeout(time.Min
 func (f *sshFixture) startInitializerWithTimeout(exec time.Duration) {
 	f.t.Helper()
 	in, err := manager.NewInitializer(manager.InitializerConfig{
-		Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 5 * time.Second},
+		Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 15 * time.Second},
 		ConnectTimeout: 20 * time.Second, ExecTimeout: exec,
 		SSHKey: f.key, AgentPath: f.agent, AgentDir: filepath.Join(f.agents, "{provider_id}"),
 		ServerEndpoint: agentEndpoint, Backoff: bmdb.BackoffPolicy{Initial: time.Hour},

@@ -49,13 +49,15 @@ type UpdaterConfig struct {
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
+// (Ifs, not a switch: see LoopConfig.Validate.)
 func (c UpdaterConfig) Validate() error {
-	switch {
-	case c.ChangingPeriod < 0:
+	if c.ChangingPeriod < 0 {
 		return fmt.Errorf("updater: ChangingPeriod must be >= 0 (0 = default %s), got %s", defaultChangingPeriod, c.ChangingPeriod)
-	case c.StablePeriod < 0:
+	}
+	if c.StablePeriod < 0 {
 		return fmt.Errorf("updater: StablePeriod must be >= 0 (0 = default %s), got %s", defaultStablePeriod, c.StablePeriod)
-	case c.Lease < 0:
+	}
+	if c.Lease < 0 {
 		return fmt.Errorf("updater: Lease must be >= 0 (0 = default), got %s", c.Lease)
 	}
 	if err := c.Listing.validate("updater"); err != nil {
@@ -89,6 +91,8 @@ type Updater struct {
 	// waiting, if set, is told the (unjittered) period Run waits after
 	// each pass. Tests set it before Run.
 	waiting func(time.Duration)
+	// isChanging is changing; tests replace it.
+	isChanging func(context.Context) (bool, error)
 }
 
 type updaterMetrics struct {
@@ -141,6 +145,7 @@ func NewUpdater(cfg UpdaterConfig, db *bmdb.DB, p provider.Provider, reg prometh
 	}
 	u := &Updater{cfg: cfg, db: db, p: p, log: log.With("component", "updater", "provider", p.Name()), metrics: m, check: check}
 	u.describes.Store(true)
+	u.isChanging = u.changing
 	return u, nil
 }
 
@@ -190,7 +195,7 @@ func (u *Updater) wait(ctx context.Context, period time.Duration) {
 		if ctx.Err() != nil {
 			return
 		}
-		if changing, err := u.changing(ctx); err == nil && changing {
+		if changing, err := u.isChanging(ctx); err == nil && changing {
 			u.log.DebugContext(ctx, "a machine is changing; ending the stable wait early")
 			return
 		}
@@ -249,7 +254,7 @@ func (u *Updater) Pass(ctx context.Context, s *bmdb.Session) (UpdateResult, erro
 		u.metrics.passes.WithLabelValues("busy").Inc()
 		res.Busy = true
 	}
-	changing, cerr := u.changing(ctx)
+	changing, cerr := u.isChanging(ctx)
 	res.Changing = changing || cerr != nil
 	if err == nil && cerr != nil {
 		err = cerr

@@ -4,8 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"maps"
 	"net/netip"
+	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -463,7 +467,7 @@ func TestUpdaterPeriod(t *testing.T) {
 	p.set(item{id: "m1", status: provider.StatusProvisioning})
 	p.record(t, s, "m1")
 	const changing, stable = 50 * time.Millisecond, time.Hour
-	u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: changing, StablePeriod: stable, Lease: time.Second}, db.DB, p, nil, nil)
+	u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: changing, StablePeriod: stable, Lease: 30 * time.Second}, db.DB, p, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -654,5 +658,145 @@ func TestUpdaterAtScale(t *testing.T) {
 	}
 	if bmdbtest.Scalar[string](t, db, xmins) != written {
 		t.Error("the pass over an unchanged fleet wrote machines")
+	}
+}
+
+// TestUpdaterLogs: a pass that changed machines says so at Info, a change
+// of a machine's status is logged at Info and any other change of its
+// details at Debug, and a pass that changed nothing logs at Debug only;
+// the updater's lease is given back without a warning.
+func TestUpdaterLogs(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "updater", time.Minute)
+	p := newCatalog("lab")
+	// Recorded Provisioning: m1 is still, but has a location now; m2 runs.
+	p.set(item{id: "m1", status: provider.StatusProvisioning, location: "rack-0"})
+	p.set(item{id: "m2", status: provider.StatusRunning, location: "rack-1"})
+	p.record(t, s, "m1", "m2")
+	logs := newLogCapture()
+	u, err := manager.NewUpdater(manager.UpdaterConfig{}, db.DB, p, nil, logs.logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pass := func(what string, wantUpdated int) {
+		t.Helper()
+		logs.reset()
+		if r, err := u.Pass(t.Context(), s); err != nil || r.Updated != wantUpdated {
+			t.Fatalf("%s: %+v, %v; want %d updated", what, r, err, wantUpdated)
+		}
+	}
+	level := func(msg string) []slog.Level {
+		var out []slog.Level
+		for _, l := range logs.with(msg) {
+			out = append(out, l.level)
+		}
+		return out
+	}
+	pass("first pass", 2)
+	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelInfo}) {
+		t.Errorf("pass-done lines of a pass that updated machines at %v, want one at Info", got)
+	}
+	changed := map[string]slog.Level{}
+	for _, l := range logs.with("machine details changed at the provider") {
+		changed[l.attrs["provider_id"]] = l.level
+	}
+	if want := map[string]slog.Level{"m1": slog.LevelDebug, "m2": slog.LevelInfo}; !maps.Equal(changed, want) {
+		t.Errorf("machine change lines %v, want m2's change of status at Info and m1's other change at Debug", changed)
+	}
+	pass("pass over an unchanged fleet", 0)
+	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelDebug}) {
+		t.Errorf("pass-done lines of a pass that changed nothing at %v, want one at Debug", got)
+	}
+	p.remove("m2")
+	pass("pass with m2 gone", 0)
+	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelInfo}) {
+		t.Errorf("pass-done lines of a pass that marked a machine missing at %v, want one at Info", got)
+	}
+	if got := logs.with("machine missing at the provider"); len(got) != 1 || got[0].attrs["provider_id"] != "m2" || got[0].level != slog.LevelWarn {
+		t.Errorf("lines about the missing machine: %+v, want a warning naming m2", got)
+	}
+	p.set(item{id: "m2", status: provider.StatusRunning, location: "rack-1"})
+	pass("pass with m2 back", 0)
+	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelInfo}) {
+		t.Errorf("pass-done lines of a pass that found a machine again at %v, want one at Info", got)
+	}
+	if got := logs.with("machine listed by the provider again"); len(got) != 1 || got[0].attrs["provider_id"] != "m2" || got[0].attrs["provider_status"] != "Running" {
+		t.Errorf("lines about the machine found again: %+v, want one naming m2 and its status", got)
+	}
+	if got := logs.with("releasing the update lease"); len(got) != 0 {
+		t.Errorf("warnings about releasing the lease: %+v", got)
+	}
+}
+
+// TestUpdaterEmptyListingDescribesNothing: a listing without machines says
+// nothing about whether the provider describes its machines, so machines
+// whose status is Unknown still count as changing after it.
+func TestUpdaterEmptyListingDescribesNothing(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "updater", time.Minute)
+	p := newCatalog("lab")
+	var ids []string
+	for i := range 5 {
+		id := fmt.Sprintf("m%d", i)
+		ids = append(ids, id)
+		p.set(item{id: id, status: provider.StatusUnknown})
+	}
+	p.record(t, s, ids...)
+	u, err := manager.NewUpdater(manager.UpdaterConfig{}, db.DB, p, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := u.Pass(t.Context(), s); err != nil || !r.Changing {
+		t.Fatalf("pass over machines of Unknown status: %+v, %v; want them changing", r, err)
+	}
+	// The listing comes back empty, which the guard does not believe: the
+	// machines stay Unknown, and still count as changing.
+	p.remove(ids...)
+	if r, err := u.Pass(t.Context(), s); err != nil || !r.Suspect || !r.Changing {
+		t.Errorf("pass over an empty listing: %+v, %v; want it suspect and the Unknown machines changing", r, err)
+	}
+}
+
+// TestUpdaterRunLogs: an updater whose passes succeed logs no failure; one
+// whose listing fails says so at every pass, and keeps passing.
+func TestUpdaterRunLogs(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "setup", time.Minute)
+	for _, tt := range []struct {
+		name  string
+		p     provider.Provider
+		fails bool
+	}{
+		{"good", newCatalog("good"), false},
+		{"bad", &failing{catalog: newCatalog("bad")}, true},
+	} {
+		c := newCatalog(tt.name)
+		c.record(t, s, "m1") // Provisioning: the changing period applies
+		logs := newLogCapture()
+		u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: 20 * time.Millisecond, StablePeriod: 20 * time.Millisecond},
+			db.DB, tt.p, nil, logs.logger())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var passes atomic.Int64
+		manager.SetUpdaterWaitHook(u, func(time.Duration) { passes.Add(1) })
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- u.Run(ctx) }()
+		bmdbtest.WaitFor(t, 60*time.Second, tt.name+": three passes", func(context.Context) (bool, error) { return passes.Load() >= 3, nil })
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("%s: Run() = %v", tt.name, err)
+		}
+		failed := logs.with("update pass failed")
+		switch {
+		case !tt.fails && len(failed) != 0:
+			t.Errorf("%s: failures logged: %+v", tt.name, failed)
+		case tt.fails && (len(failed) < 2 || failed[0].level != slog.LevelError || !strings.Contains(failed[0].attrs["err"], "listing failed")):
+			t.Errorf("%s: failure lines %+v, want one per failed pass, at Error, with the cause", tt.name, failed)
+		}
 	}
 }
