@@ -308,7 +308,7 @@ func TestRetryEndPauses(t *testing.T) {
 					if err := actx.Err(); err != nil {
 						t.Errorf("attempt %d starts with its context done: %v", len(at), err)
 					}
-					if d, ok := actx.Deadline(); !ok || d.Sub(time.Now()) != tt.lease {
+					if d, ok := actx.Deadline(); !ok || time.Until(d) != tt.lease {
 						t.Errorf("attempt %d has deadline %v (set %v), want one lease (%s) from now", len(at), d, ok, tt.lease)
 					}
 					if len(at) <= failures {
