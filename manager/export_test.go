@@ -9,7 +9,3 @@ func SetUpdaterWaitHook(u *Updater, f func(time.Duration)) { u.waiting = f }
 // ListingSuspect reports whether g finds a listing that lacks missing of
 // present machines suspect.
 func ListingSuspect(g ListingGuard, missing, present int) bool { return g.suspect(missing, present) }
-
-// SetRecovererAdmitHook makes the recoverer's workers tell f each answer of
-// the circuit breaker to whether they may claim. Call it before Run.
-func SetRecovererAdmitHook(rc *Recoverer, f func(allowed bool)) { rc.admitted = f }

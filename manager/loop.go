@@ -175,6 +175,7 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 	log := r.log.With("worker", id)
 	for ctx.Err() == nil {
 		if r.loop.Admit != nil && !r.loop.Admit(ctx) {
+			r.metrics.claims.WithLabelValues("held").Inc()
 			sleep(ctx, jitter(r.cfg.IdleSleep))
 			continue
 		}

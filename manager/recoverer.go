@@ -87,9 +87,6 @@ type Recoverer struct {
 	runner  *Runner
 	log     *slog.Logger
 	breaker *breaker
-	// admitted, if set, is told every answer of the breaker to a worker
-	// that asks whether it may claim. Tests set it before Run.
-	admitted func(allowed bool)
 }
 
 // NewRecoverer validates cfg and returns the recoverer for provider p,
@@ -122,21 +119,12 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 		Candidates: rc.candidates,
 		Backoff:    cfg.Backoff,
 		Do:         rc.recover,
-		Admit:      rc.admit,
+		Admit:      b.allow,
 	}, db, reg, log)
 	if err != nil {
 		return nil, err
 	}
 	return rc, nil
-}
-
-// admit is the loop's Admit: the breaker's answer.
-func (rc *Recoverer) admit(ctx context.Context) bool {
-	ok := rc.breaker.allow(ctx)
-	if rc.admitted != nil {
-		rc.admitted(ok)
-	}
-	return ok
 }
 
 func (rc *Recoverer) candidates() bmdb.Candidates {

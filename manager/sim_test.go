@@ -8,17 +8,16 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/crypto/ssh"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider/sim"
 	"github.com/shepherd/shepherd/server"
@@ -41,9 +40,6 @@ type fleetConfig struct {
 	sim       sim.Config
 	recoverer manager.RecovererConfig
 	interval  time.Duration // heartbeat interval the server hands out
-	// admitted, if set, is told each answer of the recoverer's circuit
-	// breaker to a worker that asks whether it may claim.
-	admitted func(allowed bool)
 }
 
 func startFleet(t *testing.T, cfg fleetConfig) *fleet {
@@ -103,9 +99,6 @@ func startFleet(t *testing.T, cfg fleetConfig) *fleet {
 	rc, err := manager.NewRecoverer(rcfg, db.DB, f.sim, reg, nil)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if cfg.admitted != nil {
-		manager.SetRecovererAdmitHook(rc, cfg.admitted)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var g errgroup.Group
@@ -211,21 +204,15 @@ func TestSimFleetRecovers(t *testing.T) {
 func TestCircuitBreaker(t *testing.T) {
 	t.Parallel()
 	const machines = 100
-	var refused atomic.Int64
 	f := startFleet(t, fleetConfig{
 		sim:       sim.Config{Machines: machines, RebootLatency: 200 * time.Millisecond},
 		recoverer: manager.RecovererConfig{HeartbeatTimeout: 3 * time.Second, FirstHeartbeatTimeout: 10 * time.Second},
 		interval:  500 * time.Millisecond,
-		admitted: func(allowed bool) {
-			if !allowed {
-				refused.Add(1)
-			}
-		},
 	})
 	f.waitHealthy(machines, 90*time.Second)
 	f.StopServer()
 	paused := func() float64 {
-		return testutil.ToFloat64(mustCollector(t, f.reg, "shepherd_recovery_breaker_paused", "silent_fraction"))
+		return metricstest.Value(t, f.reg, "shepherd_recovery_breaker_paused", "reason", "silent_fraction")
 	}
 	bmdbtest.WaitFor(t, 60*time.Second, "breaker paused for the silent fraction", func(ctx context.Context) (bool, error) {
 		st, err := f.db.FleetStates(ctx, f.sim.Name(), 0, 3*time.Second)
@@ -233,9 +220,12 @@ func TestCircuitBreaker(t *testing.T) {
 	})
 	// The recoverer's ten workers keep asking, and are refused: still
 	// nothing more than the budget may have been rebooted.
-	asked := refused.Load()
-	bmdbtest.WaitFor(t, 60*time.Second, "the breaker refuses 50 more claims", func(context.Context) (bool, error) {
-		return refused.Load() >= asked+50, nil
+	held := func() float64 {
+		return metricstest.Value(t, f.reg, "shepherd_loop_claims_total", "process", string(bmdb.ProcessRecovery), "result", "held")
+	}
+	asked := held()
+	bmdbtest.WaitFor(t, 60*time.Second, "the breaker holds back 50 more claims", func(context.Context) (bool, error) {
+		return held() >= asked+50, nil
 	})
 	total := 0
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
@@ -254,36 +244,6 @@ func TestCircuitBreaker(t *testing.T) {
 	}
 	t.Logf("%d reboots before the breaker paused", total)
 }
-
-// mustCollector returns the series of family name with label value v.
-func mustCollector(t *testing.T, reg *prometheus.Registry, name, v string) prometheus.Collector {
-	t.Helper()
-	return collectorFunc(func(ch chan<- prometheus.Metric) {
-		mfs, err := reg.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() != name {
-				continue
-			}
-			for _, m := range mf.GetMetric() {
-				for _, l := range m.GetLabel() {
-					if l.GetValue() == v {
-						ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "x", nil, nil), prometheus.GaugeValue, m.GetGauge().GetValue())
-						return
-					}
-				}
-			}
-		}
-		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "x", nil, nil), prometheus.GaugeValue, -1)
-	})
-}
-
-type collectorFunc func(chan<- prometheus.Metric)
-
-func (collectorFunc) Describe(chan<- *prometheus.Desc)      {}
-func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
 
 // TestRebootStreakQuarantines: agents that can never reach the callback
 // server (the server is stopped) are rebooted MaxRebootsWithoutHeartbeat

@@ -1,5 +1,6 @@
-// Package metricstest reads a running process's Prometheus /metrics, for
-// tests of the binaries and of their HTTP listeners.
+// Package metricstest reads Prometheus metrics for tests: a running
+// process's /metrics (Scrape), or a registry in the test's own process
+// (Value, Series).
 package metricstest
 
 import (
