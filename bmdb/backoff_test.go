@@ -13,6 +13,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 func TestBackoffPolicyNext(t *testing.T) {
@@ -158,7 +159,7 @@ func TestBackoffInDatabase(t *testing.T) {
 			t.Fatalf("failure %d: stored %+v, returned %+v", i+1, stored, b)
 		}
 	}
-	if got := counterValue(t, reg, "shepherd_bmdb_work_quarantined_total"); got != 0 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_work_quarantined_total"); got != 0 {
 		t.Errorf("work_quarantined_total = %v before the fifth failure, want 0", got)
 	}
 
@@ -171,7 +172,7 @@ func TestBackoffInDatabase(t *testing.T) {
 	if stored, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart); err != nil || !stored.Quarantined || stored.Attempts != 5 {
 		t.Fatalf("stored after the fifth failure: %+v, %v; want quarantined after 5 attempts", stored, err)
 	}
-	if got := counterValue(t, reg, "shepherd_bmdb_work_quarantined_total", "process", "AgentStart"); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_work_quarantined_total", "process", "AgentStart"); got != 1 {
 		t.Errorf("work_quarantined_total = %v after the fifth failure, want 1", got)
 	}
 	db.Exec(t, "UPDATE work_backoff SET backoff_until = now() - interval '1 hour'")

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"slices"
-	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -13,10 +11,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 // The tests in this file run the session's Go-side timing (renewal every
@@ -69,39 +68,6 @@ func run(t *testing.T, conn *pgx.Conn, sql string, args ...any) {
 	}
 }
 
-// counterValue returns the value of the counter (or gauge) name whose labels
-// include labels (name, value pairs), 0 if there is none.
-func counterValue(t *testing.T, reg *prometheus.Registry, name string, labels ...string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if matches(m.GetLabel(), labels) {
-				return m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-		}
-	}
-	return 0
-}
-
-// matches reports whether pairs has every name, value pair of want.
-func matches(pairs []*dto.LabelPair, want []string) bool {
-	for i := 0; i+1 < len(want); i += 2 {
-		if !slices.ContainsFunc(pairs, func(l *dto.LabelPair) bool {
-			return l.GetName() == want[i] && l.GetValue() == want[i+1]
-		}) {
-			return false
-		}
-	}
-	return true
-}
-
 // TestSessionRenewalTiming checks, on the bubble's clock, that a session
 // renews every third of its lease; that failed renewals are retried every
 // fifth of that, so an outage shorter than the rest of the lease costs
@@ -112,8 +78,8 @@ func TestSessionRenewalTiming(t *testing.T) {
 	url := bmdbtest.NewDatabase(t)
 	synctest.Test(t, func(t *testing.T) {
 		reg := prometheus.NewRegistry()
-		logs := &records{}
-		db, conn := inBubble(t, url, reg, slog.New(logs))
+		logs := logtest.New()
+		db, conn := inBubble(t, url, reg, logs.Logger())
 		const (
 			lease  = 30 * time.Second
 			period = lease / 3  // renewals
@@ -127,7 +93,7 @@ func TestSessionRenewalTiming(t *testing.T) {
 		t.Cleanup(func() { _ = s.Close(context.Background()) }) // before the BMDB closes
 		// Far more failed renewals than the retries below allow: renewal no
 		// longer pauses. Close the session, so that the test can say so.
-		logs.onFlood(100, func() { go s.Close(context.Background()) })
+		logs.OnFlood(100, func() { go s.Close(context.Background()) })
 		// at moves the bubble's clock to start+d and lets the session act.
 		at := func(d time.Duration) {
 			time.Sleep(time.Until(start.Add(d)))
@@ -135,8 +101,8 @@ func TestSessionRenewalTiming(t *testing.T) {
 		}
 		check := func(when string, ok, failed float64, lost bool) {
 			t.Helper()
-			gotOK := counterValue(t, reg, "shepherd_bmdb_session_renewals_total", "result", "ok")
-			gotFailed := counterValue(t, reg, "shepherd_bmdb_session_renewals_total", "result", "error")
+			gotOK := metricstest.Value(t, reg, "shepherd_bmdb_session_renewals_total", "result", "ok")
+			gotFailed := metricstest.Value(t, reg, "shepherd_bmdb_session_renewals_total", "result", "error")
 			if gotOK != ok || gotFailed != failed || s.Lost() != lost {
 				t.Fatalf("%s: %v renewals, %v failed, lost %v; want %v, %v, %v (cause %v)",
 					when, gotOK, gotFailed, s.Lost(), ok, failed, lost, context.Cause(s.Context()))
@@ -175,7 +141,7 @@ func TestSessionRenewalTiming(t *testing.T) {
 		if !errors.Is(context.Cause(s.Context()), bmdb.ErrSessionExpired) {
 			t.Errorf("cause %v, want ErrSessionExpired", context.Cause(s.Context()))
 		}
-		if got := counterValue(t, reg, "shepherd_bmdb_sessions_lost_total"); got != 1 {
+		if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_lost_total"); got != 1 {
 			t.Errorf("sessions_lost_total = %v, want 1", got)
 		}
 		allow()
@@ -183,69 +149,6 @@ func TestSessionRenewalTiming(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
-}
-
-// records keeps the log records of a test, times included (virtual in a
-// bubble).
-type records struct {
-	mu   sync.Mutex
-	recs []slog.Record
-	// If flood is set, it is called once when floodAt records of one
-	// message have been logged: a loop that logs on every turn and no
-	// longer pauses keeps a bubble's clock from moving, so a test stops it
-	// to report it instead of waiting for it forever.
-	floodAt int
-	flood   func()
-	same    map[string]int
-}
-
-// onFlood makes r call flood once n records of one message were logged.
-func (r *records) onFlood(n int, flood func()) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.floodAt, r.flood = n, flood
-}
-
-func (r *records) Enabled(context.Context, slog.Level) bool { return true }
-func (r *records) Handle(_ context.Context, rec slog.Record) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.recs = append(r.recs, rec.Clone())
-	if r.same == nil {
-		r.same = map[string]int{}
-	}
-	if r.same[rec.Message]++; r.same[rec.Message] == r.floodAt && r.flood != nil {
-		r.flood()
-	}
-	return nil
-}
-func (r *records) WithAttrs([]slog.Attr) slog.Handler { return r }
-func (r *records) WithGroup(string) slog.Handler      { return r }
-
-// with returns the records whose message is msg.
-func (r *records) with(msg string) []slog.Record {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []slog.Record
-	for _, rec := range r.recs {
-		if rec.Message == msg {
-			out = append(out, rec)
-		}
-	}
-	return out
-}
-
-// attr returns the value of the attribute key of rec.
-func attr(rec slog.Record, key string) slog.Value {
-	var v slog.Value
-	rec.Attrs(func(a slog.Attr) bool {
-		if a.Key == key {
-			v = a.Value
-			return false
-		}
-		return true
-	})
-	return v
 }
 
 // TestKeepSessionPauses checks KeepSession's retries on the bubble's clock:
@@ -262,9 +165,9 @@ func TestKeepSessionPauses(t *testing.T) {
 		defer cancel()
 		// Far more attempts than the pauses below allow: KeepSession no
 		// longer pauses, and is stopped so that the test can say so.
-		logs := &records{}
-		logs.onFlood(100, cancel)
-		db, conn := inBubble(t, url, nil, slog.New(logs))
+		logs := logtest.New()
+		logs.OnFlood(100, cancel)
+		db, conn := inBubble(t, url, nil, logs.Logger())
 		sessions := make(chan *bmdb.Session, 10)
 		done := make(chan error, 1)
 
@@ -280,14 +183,14 @@ func TestKeepSessionPauses(t *testing.T) {
 		// 100+200+...+3200 ms, then 5 s pauses: 11 attempts fail within 30 s.
 		time.Sleep(30 * time.Second)
 		synctest.Wait()
-		failed := logs.with("cannot start session, retrying")
+		failed := logs.With("cannot start session, retrying")
 		if len(failed) < 11 {
 			t.Fatalf("%d failed attempts to start a session in 30 s, want at least 11", len(failed))
 		}
 		ms := time.Millisecond
 		want := []time.Duration{100 * ms, 200 * ms, 400 * ms, 800 * ms, 1600 * ms, 3200 * ms, 5 * time.Second, 5 * time.Second}
 		for i, w := range want {
-			pause := attr(failed[i], "pause").Duration()
+			pause := failed[i].Attrs["pause"].Duration()
 			gap := failed[i+1].Time.Sub(failed[i].Time)
 			if pause != w || gap < w/2 || gap >= w {
 				t.Errorf("attempt %d: pause %s, next attempt %s later; want pause %s, next attempt within [%s, %s)",
@@ -313,15 +216,15 @@ func TestKeepSessionPauses(t *testing.T) {
 		// with its shortest pause again.
 		allowStart = refuse(t, conn, "INSERT")
 		run(t, conn, "UPDATE sessions SET deadline = now() - interval '1 millisecond' WHERE session_id = $1", first.ID())
-		lostAt := len(logs.with("cannot start session, retrying"))
+		lostAt := len(logs.With("cannot start session, retrying"))
 		time.Sleep(lease / 3)
 		synctest.Wait()
 		if !first.Lost() {
 			t.Fatal("session not lost at its first renewal after the database expired it")
 		}
-		if got := logs.with("cannot start session, retrying"); len(got) <= lostAt {
+		if got := logs.With("cannot start session, retrying"); len(got) <= lostAt {
 			t.Fatal("no attempt to start a new session after losing one")
-		} else if pause := attr(got[lostAt], "pause").Duration(); pause != 100*ms {
+		} else if pause := got[lostAt].Attrs["pause"].Duration(); pause != 100*ms {
 			t.Fatalf("first attempt after losing a session paused %s, want 100ms", pause)
 		}
 		allowStart()
@@ -336,7 +239,7 @@ func TestKeepSessionPauses(t *testing.T) {
 		if second.ID() == first.ID() {
 			t.Fatal("KeepSession handed out the lost session again")
 		}
-		if n := len(logs.with("closing session")); n != 0 {
+		if n := len(logs.With("closing session")); n != 0 {
 			t.Errorf("%d warnings about closing sessions, want none (the lost one needs no closing)", n)
 		}
 
@@ -353,7 +256,7 @@ func TestKeepSessionPauses(t *testing.T) {
 		default:
 			t.Fatal("KeepSession still running after its context was cancelled")
 		}
-		if n := len(logs.with("closing session")); n != 1 {
+		if n := len(logs.With("closing session")); n != 1 {
 			t.Errorf("%d warnings about closing the live session, want 1", n)
 		}
 	})

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
 	"runtime/debug"
@@ -18,10 +17,11 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 func TestSessionRenewal(t *testing.T) {
@@ -47,7 +47,7 @@ func TestSessionRenewal(t *testing.T) {
 	if alive := bmdbtest.Scalar[bool](t, db, "SELECT deadline > now() AND closed_at IS NULL FROM sessions WHERE session_id = $1", s.ID()); !alive {
 		t.Fatal("session is not alive in the database")
 	}
-	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_open")); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_open"); got != 1 {
 		t.Errorf("sessions_open = %v with one live session, want 1", got)
 	}
 	// Closing is not losing.
@@ -60,7 +60,7 @@ func TestSessionRenewal(t *testing.T) {
 	for name, want := range map[string]float64{
 		"shepherd_bmdb_sessions_open": 0, "shepherd_bmdb_sessions_closed_total": 1, "shepherd_bmdb_sessions_lost_total": 0,
 	} {
-		if got := counterValue(t, reg, name); got != want {
+		if got := metricstest.Value(t, reg, name); got != want {
 			t.Errorf("%s = %v after Close, want %v", name, got, want)
 		}
 	}
@@ -104,13 +104,13 @@ func TestSessionLost(t *testing.T) {
 	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE session_id = $1", s.ID()); n != 1 {
 		t.Errorf("%d work rows of the lost session, want 1 left for expiry", n)
 	}
-	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_lost_total")); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_lost_total"); got != 1 {
 		t.Errorf("sessions_lost_total = %v, want 1", got)
 	}
-	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_open")); got != 0 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_open"); got != 0 {
 		t.Errorf("sessions_open = %v, want 0", got)
 	}
-	if got := counterValue(t, reg, "shepherd_bmdb_work_ended_total", "result", "lost"); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_work_ended_total", "result", "lost"); got != 1 {
 		t.Errorf("work_ended_total{result=lost} = %v, want 1 (the Finish that found its lock gone)", got)
 	}
 	// Closing a lost session marks it closed, and counts it neither as
@@ -118,10 +118,10 @@ func TestSessionLost(t *testing.T) {
 	if err := s.Close(t.Context()); err != nil {
 		t.Fatalf("closing the lost session: %v", err)
 	}
-	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_sessions_open")); got != 0 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_open"); got != 0 {
 		t.Errorf("sessions_open = %v after closing the lost session, want 0", got)
 	}
-	if got := counterValue(t, reg, "shepherd_bmdb_sessions_closed_total"); got != 0 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_sessions_closed_total"); got != 0 {
 		t.Errorf("sessions_closed_total = %v after closing a lost session, want 0", got)
 	}
 	if !s.Lost() {
@@ -139,35 +139,6 @@ func TestSessionLost(t *testing.T) {
 		t.Errorf("last history row %+v, want Expired naming session %s", last, s.ID())
 	}
 }
-
-// metric returns the single collector registered under name, summed over
-// its series by testutil.ToFloat64.
-func metric(t *testing.T, reg *prometheus.Registry, name string) prometheus.Collector {
-	t.Helper()
-	return collectorFunc(func(ch chan<- prometheus.Metric) {
-		mfs, err := reg.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() != name {
-				continue
-			}
-			var sum float64
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(name, "sum", nil, nil), prometheus.UntypedValue, sum)
-			return
-		}
-		t.Fatalf("metric %s not registered", name)
-	})
-}
-
-type collectorFunc func(chan<- prometheus.Metric)
-
-func (f collectorFunc) Describe(chan<- *prometheus.Desc)    {}
-func (f collectorFunc) Collect(ch chan<- prometheus.Metric) { f(ch) }
 
 func TestSessionClose(t *testing.T) {
 	t.Parallel()
@@ -401,7 +372,7 @@ func TestTransactRetriesDeadlocks(t *testing.T) {
 	if runs[0]+runs[1] != 3 {
 		t.Errorf("transaction bodies ran %d times, want 3 (one deadlock victim retried)", runs[0]+runs[1])
 	}
-	if got := testutil.ToFloat64(metric(t, reg, "shepherd_bmdb_transaction_retries_total")); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_bmdb_transaction_retries_total"); got != 1 {
 		t.Errorf("transaction_retries_total = %v, want 1", got)
 	}
 }
@@ -526,8 +497,8 @@ func TestCrashedSessionReleasesWork(t *testing.T) {
 	t.Parallel()
 	const lease = crashLease
 	reg := prometheus.NewRegistry()
-	logs := &records{}
-	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg, Logger: slog.New(logs)})
+	logs := logtest.New()
+	db := bmdbtest.NewWithConfig(t, bmdb.Config{Registerer: reg, Logger: logs.Logger()})
 	s := bmdbtest.Session(t, db, "survivor", time.Minute)
 	m1 := bmdbtest.AddMachine(t, db, s, "p")
 	m2 := bmdbtest.AddMachine(t, db, s, "p")
@@ -621,10 +592,10 @@ func TestCrashedSessionReleasesWork(t *testing.T) {
 	// janitor's ExpireWork takes care of the other. Each says so.
 	expired := func(when string, want int) {
 		t.Helper()
-		if got := counterValue(t, reg, "shepherd_bmdb_work_expired_total", "process", "AgentStart"); got != float64(want) {
+		if got := metricstest.Value(t, reg, "shepherd_bmdb_work_expired_total", "process", "AgentStart"); got != float64(want) {
 			t.Errorf("%s: work_expired_total = %v, want %d", when, got, want)
 		}
-		if got := len(logs.with("expired work of a dead session")); got != want {
+		if got := len(logs.With("expired work of a dead session")); got != want {
 			t.Errorf("%s: %d log lines about expired work, want %d", when, got, want)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 )
 
@@ -45,7 +46,7 @@ func TestWorkGivesUpAfterLosingRaces(t *testing.T) {
 			if !errors.Is(err, tt.wantErr) || (tt.wantErr == nil && err != nil) {
 				t.Fatalf("Work() error = %v, want %v", err, tt.wantErr)
 			}
-			if got := counterValue(t, reg, "shepherd_bmdb_work_claim_conflicts_total", "process", "AgentStart"); got != float64(min(tt.lose, 3)) {
+			if got := metricstest.Value(t, reg, "shepherd_bmdb_work_claim_conflicts_total", "process", "AgentStart"); got != float64(min(tt.lose, 3)) {
 				t.Errorf("work_claim_conflicts_total = %v, want %d", got, min(tt.lose, 3))
 			}
 			if tt.wantErr != nil {

@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
-	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -22,63 +21,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/logtest"
 	"github.com/shepherd/shepherd/provider"
 )
-
-// logRecord is one line a capture handler saw.
-type logRecord struct {
-	level slog.Level
-	msg   string
-	at    time.Time
-	attrs map[string]slog.Value
-}
-
-// captureHandler is a slog.Handler that keeps every record.
-type captureHandler struct {
-	mu      *sync.Mutex
-	records *[]logRecord
-	attrs   []slog.Attr
-}
-
-func newCapture() *captureHandler {
-	return &captureHandler{mu: &sync.Mutex{}, records: &[]logRecord{}}
-}
-
-func (h *captureHandler) Enabled(context.Context, slog.Level) bool { return true }
-
-func (h *captureHandler) Handle(_ context.Context, r slog.Record) error {
-	rec := logRecord{level: r.Level, msg: r.Message, at: r.Time, attrs: map[string]slog.Value{}}
-	for _, a := range h.attrs {
-		rec.attrs[a.Key] = a.Value
-	}
-	r.Attrs(func(a slog.Attr) bool {
-		rec.attrs[a.Key] = a.Value
-		return true
-	})
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	*h.records = append(*h.records, rec)
-	return nil
-}
-
-func (h *captureHandler) WithAttrs(as []slog.Attr) slog.Handler {
-	return &captureHandler{mu: h.mu, records: h.records, attrs: append(slices.Clip(h.attrs), as...)}
-}
-
-func (h *captureHandler) WithGroup(string) slog.Handler { return h }
-
-// with returns the records whose message is msg.
-func (h *captureHandler) with(msg string) []logRecord {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	var out []logRecord
-	for _, r := range *h.records {
-		if r.msg == msg {
-			out = append(out, r)
-		}
-	}
-	return out
-}
 
 func TestJitter(t *testing.T) {
 	t.Parallel()
@@ -130,10 +75,10 @@ type named struct {
 func (n named) Name() string { return n.name }
 
 // testBreaker returns a breaker of provider "lab" that reads its state
-// with read, its metrics on reg, its log lines to h.
-func testBreaker(t *testing.T, reg *prometheus.Registry, h slog.Handler, read func(context.Context) (BreakerState, error)) *breaker {
+// with read, its metrics on reg, its log lines to logs.
+func testBreaker(t *testing.T, reg *prometheus.Registry, logs *logtest.Recorder, read func(context.Context) (BreakerState, error)) *breaker {
 	t.Helper()
-	rc := &Recoverer{p: named{name: "lab"}, log: slog.New(h), cfg: RecovererConfig{}.withBreakerDefaults()}
+	rc := &Recoverer{p: named{name: "lab"}, log: logs.Logger(), cfg: RecovererConfig{}.withBreakerDefaults()}
 	b, err := newBreaker(rc, reg)
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +99,7 @@ func TestBreakerRefresh(t *testing.T) {
 		st := BreakerState{RebootsInWindow: 2, Budget: 5}
 		var readErr error
 		reg := prometheus.NewRegistry()
-		h := newCapture()
+		h := logtest.New()
 		b := testBreaker(t, reg, h, func(context.Context) (BreakerState, error) {
 			reads++
 			return st, readErr
@@ -200,7 +145,7 @@ func TestBreakerRefresh(t *testing.T) {
 			t.Errorf("paused gauges: reboot_budget %v, silent_fraction %v; want 0 and 1", paused("reboot_budget"), paused("silent_fraction"))
 		}
 
-		if got := h.with("checking the circuit breaker"); len(got) != 0 {
+		if got := h.With("checking the circuit breaker"); len(got) != 0 {
 			t.Errorf("warnings about reading the breaker while it could be read: %+v", got)
 		}
 
@@ -217,7 +162,7 @@ func TestBreakerRefresh(t *testing.T) {
 		if reads != 6 {
 			t.Errorf("%d reads, want 6 (a failed read is tried again each time)", reads)
 		}
-		if got := h.with("checking the circuit breaker"); len(got) != 2 || got[0].level != slog.LevelWarn || got[0].attrs["err"].String() != "database down" {
+		if got := h.With("checking the circuit breaker"); len(got) != 2 || got[0].Level != slog.LevelWarn || got[0].Attrs["err"].String() != "database down" {
 			t.Errorf("warnings about failed reads: %+v, want one from allow and one from refused", got)
 		}
 		readErr = nil
@@ -233,7 +178,7 @@ func TestBreakerLogs(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		ctx := t.Context()
-		h := newCapture()
+		h := logtest.New()
 		var st BreakerState
 		b := testBreaker(t, prometheus.NewRegistry(), h, func(context.Context) (BreakerState, error) { return st, nil })
 		start := time.Now()
@@ -255,16 +200,16 @@ func TestBreakerLogs(t *testing.T) {
 		refreshAt(72*time.Second, BreakerState{Budget: 5})
 
 		var got []string
-		for _, r := range h.with("circuit breaker holds reboots back") {
-			got = append(got, fmt.Sprintf("%s %s", r.at.Sub(start), r.attrs["reason"]))
+		for _, r := range h.With("circuit breaker holds reboots back") {
+			got = append(got, fmt.Sprintf("%s %s", r.Time.Sub(start), r.Attrs["reason"]))
 		}
 		want := []string{"2s reboot_budget", "1m2s reboot_budget", "1m6s silent_fraction"}
 		if !slices.Equal(got, want) {
 			t.Errorf("pause lines at %q, want %q", got, want)
 		}
 		got = nil
-		for _, r := range h.with("circuit breaker allows reboots again") {
-			got = append(got, r.at.Sub(start).String())
+		for _, r := range h.With("circuit breaker allows reboots again") {
+			got = append(got, r.Time.Sub(start).String())
 		}
 		if want := []string{"1m10s"}; !slices.Equal(got, want) {
 			t.Errorf("resume lines at %q, want %q", got, want)
@@ -298,12 +243,12 @@ func TestRetryEndPauses(t *testing.T) {
 					t.Fatal(err)
 				}
 				r := &Runner{cfg: LoopConfig{Lease: tt.lease}, metrics: m}
-				h := newCapture()
+				h := logtest.New()
 				ctx, cancel := context.WithCancel(t.Context())
 				cancel() // the worker stops: the end is still recorded
 				var at []time.Time
 				e := ending{kind: endFinish}
-				r.retryEnd(ctx, nil, slog.New(h), &e, func(actx context.Context) error {
+				r.retryEnd(ctx, nil, h.Logger(), &e, func(actx context.Context) error {
 					at = append(at, time.Now())
 					if err := actx.Err(); err != nil {
 						t.Errorf("attempt %d starts with its context done: %v", len(at), err)
@@ -329,8 +274,8 @@ func TestRetryEndPauses(t *testing.T) {
 					t.Errorf("end retries metric %v, want %d", got, failures)
 				}
 				var logged []int64
-				for _, rec := range h.with("ending work failed, retrying while the session lives") {
-					logged = append(logged, rec.attrs["attempt"].Int64())
+				for _, rec := range h.With("ending work failed, retrying while the session lives") {
+					logged = append(logged, rec.Attrs["attempt"].Int64())
 				}
 				if want := []int64{1, 10, 20}; !slices.Equal(logged, want) {
 					t.Errorf("warnings logged at attempts %v, want %v", logged, want)
@@ -374,11 +319,11 @@ func TestRetryEndGivesUp(t *testing.T) {
 					t.Fatal(err)
 				}
 				r := &Runner{cfg: LoopConfig{Lease: time.Minute}, metrics: m}
-				h := newCapture()
+				h := logtest.New()
 				lost := make(chan struct{})
 				n := 0
 				e := ending{kind: endFail, cause: errors.New("boom")}
-				r.retryEnd(t.Context(), lost, slog.New(h), &e, func(context.Context) error {
+				r.retryEnd(t.Context(), lost, h.Logger(), &e, func(context.Context) error {
 					n++
 					if n == tt.loseAt {
 						close(lost)
@@ -394,7 +339,7 @@ func TestRetryEndGivesUp(t *testing.T) {
 				if got := testutil.ToFloat64(m.claims.WithLabelValues("lost")); got != 1 {
 					t.Errorf("lost claims %v, want 1", got)
 				}
-				if got := h.with(tt.log); len(got) != 1 {
+				if got := h.With(tt.log); len(got) != 1 {
 					t.Errorf("%d lines %q, want 1", len(got), tt.log)
 				}
 			})

@@ -18,6 +18,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/sshtest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
@@ -191,7 +192,7 @@ func TestDecommissionSimMachine(t *testing.T) {
 	// passing over the listing that has its slot free again, does not make
 	// a machine of it.
 	passes := func() float64 {
-		return counter(t, f.reg, "shepherd_provisioner_passes_total", "provider=sim,result=ok")
+		return metricstest.Value(t, f.reg, "shepherd_provisioner_passes_total", "provider", "sim", "result", "ok")
 	}
 	after := passes() + 3
 	bmdbtest.WaitFor(t, 30*time.Second, "three more provisioner passes", func(context.Context) (bool, error) {
@@ -214,27 +215,6 @@ func TestDecommissionSimMachine(t *testing.T) {
 	}) {
 		t.Error("the agent start of the decommissioned machine is gone from its history")
 	}
-}
-
-// counter returns the value of the series of counter name whose labels
-// (name=value, sorted, comma-separated) are labels; -1 if there is none.
-func counter(t *testing.T, reg *prometheus.Registry, name, labels string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelString(m) == labels {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return -1
 }
 
 // waitSimHeartbeat waits until the fleet saw a successful heartbeat of slot
@@ -279,7 +259,7 @@ func TestDecommissionUnreleasedSimMachine(t *testing.T) {
 		t.Errorf("record %+v says released, the provider cannot release", rec)
 	}
 	rejected := func() float64 {
-		return counter(t, f.reg, "shepherd_server_heartbeats_rejected_total", "reason=retired")
+		return metricstest.Value(t, f.reg, "shepherd_server_heartbeats_rejected_total", "reason", "retired")
 	}
 	before := rejected()
 	bmdbtest.WaitFor(t, 30*time.Second, "the agent's heartbeats refused", func(context.Context) (bool, error) {
@@ -407,7 +387,7 @@ func TestDecommissionReleaseFails(t *testing.T) {
 	if n := p.released.Load(); n != 1 {
 		t.Errorf("%d releases, want 1", n)
 	}
-	if got := counter(t, reg, "shepherd_decommissioner_releases_total", "provider=lab,result=error"); got < 2 {
+	if got := metricstest.Value(t, reg, "shepherd_decommissioner_releases_total", "provider", "lab", "result", "error"); got < 2 {
 		t.Errorf("releases_total{result=error} = %v, want >= 2", got)
 	}
 }
@@ -475,7 +455,7 @@ func TestDecommissionStopsAgentOverSSH(t *testing.T) {
 			t.Errorf("the agent was run with %q, want %q", got, want)
 		}
 		for result, want := range map[string]float64{"stopped": 1, "failed": 1, "unverified": 0} {
-			if got := counter(t, reg, "shepherd_decommissioner_agent_stops_total", "provider=lab,result="+result); got != want {
+			if got := metricstest.Value(t, reg, "shepherd_decommissioner_agent_stops_total", "provider", "lab", "result", result); got != want {
 				t.Errorf("agent stops %s = %v, want %v", result, got, want)
 			}
 		}

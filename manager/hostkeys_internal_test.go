@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net"
 	"net/netip"
 	"strings"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
 	"github.com/shepherd/shepherd/internal/sshtest"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
@@ -348,15 +348,15 @@ func TestStopAgentBestEffort(t *testing.T) {
 	closed := netip.MustParseAddrPort(l.Addr().String())
 	l.Close()
 	p := addresses{named: named{name: "lab"}, at: map[string]netip.AddrPort{"fresh": closed, "known": closed}}
-	h := newCapture()
+	h := logtest.New()
 	reg := prometheus.NewRegistry()
-	d, err := NewDecommissioner(DecommissionerConfig{AgentStop: &AgentStopConfig{SSHKey: sshtest.NewKey(t), Timeout: 30 * time.Second}}, db.DB, p, reg, slog.New(h))
+	d, err := NewDecommissioner(DecommissionerConfig{AgentStop: &AgentStopConfig{SSHKey: sshtest.NewKey(t), Timeout: 30 * time.Second}}, db.DB, p, reg, h.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
 	task := func(pid string) *Task {
 		id := bmdbtest.AddMachine(t, db, s, "lab")
-		return &Task{Machine: bmdb.ProvidedMachine{MachineID: id, Provided: bmdb.Provided{Provider: "lab", ProviderID: pid}}, Log: slog.New(h), Session: s}
+		return &Task{Machine: bmdb.ProvidedMachine{MachineID: id, Provided: bmdb.Provided{Provider: "lab", ProviderID: pid}}, Log: h.Logger(), Session: s}
 	}
 	known := task("known")
 	if _, _, err := db.RecordHostKey(ctx, known.Machine.MachineID, hostKey(t).Marshal(), false); err != nil {
@@ -375,16 +375,16 @@ func TestStopAgentBestEffort(t *testing.T) {
 		t.Errorf("unsupported releases %v, want 3", got)
 	}
 	var causes []string
-	for _, r := range h.with("stopping the agent over SSH failed; it stops at its next heartbeat") {
-		causes = append(causes, r.attrs["err"].String())
+	for _, r := range h.With("stopping the agent over SSH failed; it stops at its next heartbeat") {
+		causes = append(causes, r.Attrs["err"].String())
 	}
 	if len(causes) != 1 || !strings.HasPrefix(causes[0], "connecting to "+closed.String()+": ") {
 		t.Errorf("failed stops logged with %q, want one naming the address it could not connect to", causes)
 	}
-	if got := h.with("cannot stop the agent over SSH; it stops at its next heartbeat"); len(got) != 1 {
+	if got := h.With("cannot stop the agent over SSH; it stops at its next heartbeat"); len(got) != 1 {
 		t.Errorf("%d lines about the machine the provider does not know, want 1", len(got))
 	}
-	if got := h.with("no pinned or recorded host key; not stopping the agent over SSH"); len(got) != 1 {
+	if got := h.With("no pinned or recorded host key; not stopping the agent over SSH"); len(got) != 1 {
 		t.Errorf("%d lines about the machine without a host key, want 1", len(got))
 	}
 }

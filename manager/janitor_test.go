@@ -15,6 +15,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 	"github.com/shepherd/shepherd/manager"
 )
@@ -269,20 +271,7 @@ func TestJanitorRun(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- j.Run(ctx) }()
 	bmdbtest.WaitFor(t, 30*time.Second, "janitor passes and gauges", func(ctx context.Context) (bool, error) {
-		mfs, err := reg.Gather()
-		if err != nil {
-			return false, err
-		}
-		passes := 0.0
-		for _, mf := range mfs {
-			if mf.GetName() == "shepherd_janitor_passes_total" {
-				for _, m := range mf.GetMetric() {
-					if labelString(m) == "result=ok" {
-						passes = m.GetCounter().GetValue()
-					}
-				}
-			}
-		}
+		passes := metricstest.Value(t, reg, "shepherd_janitor_passes_total", "result", "ok")
 		g := gauges(t, reg, "shepherd_fleet_machines")
 		return passes >= 3 && g["location=,provider=lab,state=Provided"] == 1, nil
 	})
@@ -313,8 +302,8 @@ func TestJanitorLogsAndFailures(t *testing.T) {
 	}
 	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE session_id = $1", crashed.ID())
 	reg := prometheus.NewRegistry()
-	logs := newLogCapture()
-	j, err := manager.NewJanitor(manager.JanitorConfig{}, db.DB, reg, logs.logger())
+	logs := logtest.New()
+	j, err := manager.NewJanitor(manager.JanitorConfig{}, db.DB, reg, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -323,8 +312,8 @@ func TestJanitorLogsAndFailures(t *testing.T) {
 		t.Fatal(err)
 	}
 	after := time.Now()
-	lines := logs.with("janitor pass")
-	if len(lines) != 1 || lines[0].level != slog.LevelInfo || lines[0].attrs["expired_work"] != "1" {
+	lines := logs.With("janitor pass")
+	if len(lines) != 1 || lines[0].Level != slog.LevelInfo || lines[0].Attr("expired_work") != "1" {
 		t.Errorf("lines of a pass that expired work: %+v, want one at Info saying so", lines)
 	}
 	snapshot := func() float64 {
@@ -344,11 +333,11 @@ func TestJanitorLogsAndFailures(t *testing.T) {
 		t.Errorf("snapshot timestamp %f, want within the pass (%f to %f)", at, float64(before.UnixNano())/1e9, float64(after.UnixNano())/1e9)
 	}
 
-	logs.reset()
+	logs.Reset()
 	if _, err := j.Pass(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	if lines := logs.with("janitor pass"); len(lines) != 1 || lines[0].level != slog.LevelDebug {
+	if lines := logs.With("janitor pass"); len(lines) != 1 || lines[0].Level != slog.LevelDebug {
 		t.Errorf("lines of a pass that changed nothing: %+v, want one at Debug", lines)
 	}
 
@@ -367,10 +356,10 @@ func TestJanitorLogsAndFailures(t *testing.T) {
 			t.Errorf("the failed pass's error does not mention %q: %v", what, err)
 		}
 	}
-	if got := counter(t, reg, "shepherd_janitor_passes_total", "result=error"); got != 1 {
+	if got := metricstest.Value(t, reg, "shepherd_janitor_passes_total", "result", "error"); got != 1 {
 		t.Errorf("error passes %v, want 1", got)
 	}
-	if got := counter(t, reg, "shepherd_janitor_passes_total", "result=ok"); got != 2 {
+	if got := metricstest.Value(t, reg, "shepherd_janitor_passes_total", "result", "ok"); got != 2 {
 		t.Errorf("ok passes %v, want 2", got)
 	}
 	if got := gauges(t, reg, "shepherd_fleet_machines"); !cmp.Equal(got, gaugesBefore) || snapshot() != at {
@@ -385,22 +374,24 @@ func TestJanitorRunThroughOutage(t *testing.T) {
 	t.Parallel()
 	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
 	reg := prometheus.NewRegistry()
-	logs := newLogCapture()
-	j, err := manager.NewJanitor(manager.JanitorConfig{Period: 20 * time.Millisecond, Lease: 30 * time.Second}, db.DB, reg, logs.logger())
+	logs := logtest.New()
+	j, err := manager.NewJanitor(manager.JanitorConfig{Period: 20 * time.Millisecond, Lease: 30 * time.Second}, db.DB, reg, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- j.Run(ctx) }()
-	passes := func(result string) float64 { return counter(t, reg, "shepherd_janitor_passes_total", "result="+result) }
+	passes := func(result string) float64 {
+		return metricstest.Value(t, reg, "shepherd_janitor_passes_total", "result", result)
+	}
 	bmdbtest.WaitFor(t, 60*time.Second, "two passes", func(context.Context) (bool, error) { return passes("ok") >= 2, nil })
-	if got := logs.with("janitor pass failed"); len(got) != 0 {
+	if got := logs.With("janitor pass failed"); len(got) != 0 {
 		t.Errorf("failures logged while the database answered: %+v", got)
 	}
 	proxy.SetMode(tcpproxy.Reset)
 	bmdbtest.WaitFor(t, 60*time.Second, "a failed pass, logged", func(context.Context) (bool, error) {
-		return passes("error") >= 1 && len(logs.with("janitor pass failed")) >= 1, nil
+		return passes("error") >= 1 && len(logs.With("janitor pass failed")) >= 1, nil
 	})
 	proxy.SetMode(tcpproxy.Pass)
 	ok := passes("ok")
@@ -409,7 +400,7 @@ func TestJanitorRunThroughOutage(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("Run() = %v", err)
 	}
-	if l := logs.with("janitor pass failed")[0]; l.level != slog.LevelError || l.attrs["err"] == "" {
+	if l := logs.With("janitor pass failed")[0]; l.Level != slog.LevelError || l.Attr("err") == "" {
 		t.Errorf("failure line %+v, want an error with the cause", l)
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -101,7 +102,7 @@ func TestAcceptSuspectListing(t *testing.T) {
 		t.Fatalf("first pass %+v, %v; want 20 machines created", r, err)
 	}
 	gauge := func(component string) float64 {
-		return metricValue(t, reg, "shepherd_"+component+"_suspect_listing_missing_machines", "provider", "lab")
+		return metricstest.Value(t, reg, "shepherd_"+component+"_suspect_listing_missing_machines", "provider", "lab")
 	}
 	missing := func() int {
 		n := 0

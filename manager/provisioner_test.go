@@ -16,6 +16,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -280,7 +282,9 @@ func TestProvisionerLimits(t *testing.T) {
 	if r := pass("pass at the limit"); r.Created != 0 || r.FailedCreates != 0 {
 		t.Fatalf("pass at the limit %+v, want nothing tried", r)
 	}
-	missing := func() float64 { return metricValue(t, reg, "shepherd_provisioner_missing_machines", "provider", "lab") }
+	missing := func() float64 {
+		return metricstest.Value(t, reg, "shepherd_provisioner_missing_machines", "provider", "lab")
+	}
 	if got := missing(); got != 0 {
 		t.Errorf("missing machines gauge %v, want 0", got)
 	}
@@ -305,11 +309,11 @@ func TestProvisionerLimits(t *testing.T) {
 	if got := missing(); got != 1 {
 		t.Errorf("missing machines gauge %v after one came back, want 1", got)
 	}
-	if got := metricValue(t, reg, "shepherd_provisioner_foreign_machines", "provider", "lab"); got != 0 {
-		t.Errorf("foreign machines gauge %v, want 0", got)
+	if n, got := metricstest.Series(t, reg, "shepherd_provisioner_foreign_machines", "provider", "lab"), metricstest.Value(t, reg, "shepherd_provisioner_foreign_machines", "provider", "lab"); n != 1 || got != 0 {
+		t.Errorf("foreign machines gauge %v (%d series), want one reading 0", got, n)
 	}
 	for action, want := range map[string]float64{"created": 2, "adopted": 2, "missing": 2, "found": 1} {
-		if got := metricValue(t, reg, "shepherd_provisioner_machines_total", "action", action); got != want {
+		if got := metricstest.Value(t, reg, "shepherd_provisioner_machines_total", "action", action); got != want {
 			t.Errorf("machines %s: %v, want %v", action, got, want)
 		}
 	}
@@ -365,10 +369,10 @@ func TestProvisionerRun(t *testing.T) {
 		if tt.fails {
 			prov = unlistable{p}
 		}
-		logs := newLogCapture()
+		logs := logtest.New()
 		reg := prometheus.NewRegistry()
 		pr, err := manager.NewProvisioner(manager.ProvisionerConfig{Period: 20 * time.Millisecond, ChunkSize: 1, Lease: 30 * time.Second},
-			db.DB, prov, reg, logs.logger())
+			db.DB, prov, reg, logs.Logger())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -376,11 +380,11 @@ func TestProvisionerRun(t *testing.T) {
 		done := make(chan error, 1)
 		go func() { done <- pr.Run(ctx) }()
 		passes := func(result string) float64 {
-			return metricValue(t, reg, "shepherd_provisioner_passes_total", "result", result)
+			return metricstest.Value(t, reg, "shepherd_provisioner_passes_total", "result", result)
 		}
 		if tt.fails {
 			bmdbtest.WaitFor(t, 60*time.Second, "two failed passes, logged", func(context.Context) (bool, error) {
-				return passes("error") >= 2 && len(logs.with("reconcile pass failed")) >= 2, nil
+				return passes("error") >= 2 && len(logs.With("reconcile pass failed")) >= 2, nil
 			})
 		} else {
 			bmdbtest.WaitFor(t, 60*time.Second, "every capacity created, a chunk at a time", func(context.Context) (bool, error) {
@@ -394,14 +398,14 @@ func TestProvisionerRun(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatalf("%s: Run() = %v", tt.name, err)
 		}
-		failed := logs.with("reconcile pass failed")
+		failed := logs.With("reconcile pass failed")
 		switch {
 		case !tt.fails && len(failed) != 0:
 			t.Errorf("%s: failures logged: %+v", tt.name, failed)
-		case tt.fails && (len(failed) < 2 || failed[0].level != slog.LevelError || !strings.Contains(failed[0].attrs["err"], "inventory unreadable")):
+		case tt.fails && (len(failed) < 2 || failed[0].Level != slog.LevelError || !strings.Contains(failed[0].Attr("err"), "inventory unreadable")):
 			t.Errorf("%s: failure lines %+v, want one per failed pass with the cause", tt.name, failed)
 		}
-		if got := logs.with("releasing the provisioning lease"); len(got) != 0 {
+		if got := logs.With("releasing the provisioning lease"); len(got) != 0 {
 			t.Errorf("%s: warnings about releasing the lease: %+v", tt.name, got)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -164,12 +165,12 @@ func TestRecovererReboots(t *testing.T) {
 			}
 			return nil
 		}}
-	logs := newLogCapture()
+	logs := logtest.New()
 	rc, err := manager.NewRecoverer(manager.RecovererConfig{
 		Loop:                manager.LoopConfig{Parallelism: 2, IdleSleep: 50 * time.Millisecond},
 		MaxRebootsPerWindow: 10, SilentFraction: 1,
 		Backoff: bmdb.BackoffPolicy{Initial: time.Hour},
-	}, db.DB, p, prometheus.NewRegistry(), logs.logger())
+	}, db.DB, p, prometheus.NewRegistry(), logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,15 +229,15 @@ func TestRecovererReboots(t *testing.T) {
 	if err != nil || st.RebootsInWindow != 2 {
 		t.Errorf("breaker after the reboots: %+v, %v; want the 2 that reached their machines counted", st, err)
 	}
-	if got := logs.with("recording the failed reboot"); len(got) != 0 {
+	if got := logs.With("recording the failed reboot"); len(got) != 0 {
 		t.Errorf("recording the failed reboots failed: %v", got)
 	}
-	if got := logs.with("rebooting silent machine"); len(got) != 3 {
+	if got := logs.With("rebooting silent machine"); len(got) != 3 {
 		t.Errorf("%d lines say a silent machine is rebooted, want 3", len(got))
 	}
-	for _, l := range logs.with("rebooting silent machine") {
-		if !strings.HasPrefix(l.attrs["provider_id"], "fleet-") || l.attrs["machine_id"] == "" || l.attrs["reboots_in_window"] == "" {
-			t.Errorf("reboot line without the machine: %v", l.attrs)
+	for _, l := range logs.With("rebooting silent machine") {
+		if !strings.HasPrefix(l.Attr("provider_id"), "fleet-") || l.Attr("machine_id") == "" || l.Attr("reboots_in_window") == "" {
+			t.Errorf("reboot line without the machine: %v", l.Attrs)
 		}
 	}
 }

@@ -14,6 +14,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 	"github.com/shepherd/shepherd/manager"
 )
@@ -53,7 +55,7 @@ func TestRunnerAdmit(t *testing.T) {
 		return asked.Load() >= 20, nil
 	})
 	claims := func(result string) float64 {
-		return metricValue(t, reg, "shepherd_loop_claims_total", "result", result)
+		return metricstest.Value(t, reg, "shepherd_loop_claims_total", "result", result)
 	}
 	if done.Load() != 0 || claims("claimed") != 0 || claims("nothing_to_do") != 0 {
 		t.Fatalf("while Admit said no: %d machines processed, %v claimed, %v empty claims; want nothing", done.Load(), claims("claimed"), claims("nothing_to_do"))
@@ -109,9 +111,9 @@ func TestRunnerRecordsRefusedEnds(t *testing.T) {
 		}
 		return nil, errors.New("unexpected machine")
 	}
-	logs := newLogCapture()
+	logs := logtest.New()
 	r, err := manager.NewRunner("refusals", manager.LoopConfig{Parallelism: 2, IdleSleep: 20 * time.Millisecond, Lease: 10 * time.Second},
-		loop, db.DB, reg, logs.logger())
+		loop, db.DB, reg, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,12 +121,12 @@ func TestRunnerRecordsRefusedEnds(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 	claims := func(result string) float64 {
-		return counter(t, reg, "shepherd_loop_claims_total", "process=AgentStart,result="+result)
+		return metricstest.Value(t, reg, "shepherd_loop_claims_total", "process", "AgentStart", "result", result)
 	}
 	bmdbtest.WaitFor(t, 60*time.Second, "both machines' first work ended", func(ctx context.Context) (bool, error) {
 		return lastEvent(t, db, refused) == bmdb.EventFailed && calls.Load() >= 2 && claims("failed") >= 1 && claims("canceled") >= 1, nil
 	})
-	retries := metricValue(t, reg, "shepherd_loop_end_retries_total", "process", "AgentStart")
+	retries := metricstest.Value(t, reg, "shepherd_loop_end_retries_total", "process", "AgentStart")
 	if claims("failed") != 1 || claims("canceled") != 1 || claims("finished") != 0 {
 		t.Errorf("claims ended: failed %v, canceled %v, finished %v; want 1, 1, 0", claims("failed"), claims("canceled"), claims("finished"))
 	}
@@ -156,8 +158,8 @@ func TestRunnerRecordsRefusedEnds(t *testing.T) {
 	if retries != 2 {
 		t.Errorf("%v retried ends, want 2", retries)
 	}
-	if got := logs.with("recording a failure was refused, canceling the work instead"); len(got) != 1 ||
-		got[0].attrs["machine_id"] != unrecordable.String() || !strings.Contains(got[0].attrs["record_err"], "no backoff for this machine") {
+	if got := logs.With("recording a failure was refused, canceling the work instead"); len(got) != 1 ||
+		got[0].Attr("machine_id") != unrecordable.String() || !strings.Contains(got[0].Attr("record_err"), "no backoff for this machine") {
 		t.Errorf("lines about the refused failure: %+v", got)
 	}
 }
@@ -179,32 +181,32 @@ func TestRunnerClaimErrors(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
 	loop := testLoop()
-	logs := newLogCapture()
+	logs := logtest.New()
 	r, err := manager.NewRunner("claim-errors", manager.LoopConfig{Parallelism: 1, IdleSleep: 20 * time.Millisecond, Lease: 30 * time.Second},
-		loop, db.DB, reg, logs.logger())
+		loop, db.DB, reg, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
 	startRunner(t, r)
 	claims := func(result string) float64 {
-		return metricValue(t, reg, "shepherd_loop_claims_total", "result", result)
+		return metricstest.Value(t, reg, "shepherd_loop_claims_total", "result", result)
 	}
 	bmdbtest.WaitFor(t, 60*time.Second, "a claim found nothing", func(context.Context) (bool, error) {
 		return claims("nothing_to_do") >= 1, nil
 	})
-	if got := logs.with("claiming work"); len(got) != 0 {
+	if got := logs.With("claiming work"); len(got) != 0 {
 		t.Fatalf("claim errors logged while the database answered: %+v", got)
 	}
 	proxy.SetMode(tcpproxy.Reset)
 	bmdbtest.WaitFor(t, 60*time.Second, "a failed claim counted and logged", func(context.Context) (bool, error) {
-		return claims("error") >= 1 && len(logs.with("claiming work")) >= 1, nil
+		return claims("error") >= 1 && len(logs.With("claiming work")) >= 1, nil
 	})
 	proxy.SetMode(tcpproxy.Pass)
 	after := claims("nothing_to_do")
 	bmdbtest.WaitFor(t, 60*time.Second, "claims again once the database is back", func(context.Context) (bool, error) {
 		return claims("nothing_to_do") > after, nil
 	})
-	if l := logs.with("claiming work")[0]; l.level != slog.LevelError || l.attrs["process"] != "AgentStart" || l.attrs["err"] == "" {
+	if l := logs.With("claiming work")[0]; l.Level != slog.LevelError || l.Attr("process") != "AgentStart" || l.Attr("err") == "" {
 		t.Errorf("claim error line %+v, want an error naming the process and the error", l)
 	}
 }

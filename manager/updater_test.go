@@ -19,6 +19,8 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -182,38 +184,6 @@ func provided(t *testing.T, db *bmdbtest.DB, p, id string) bmdb.ProvidedMachine 
 	return pm
 }
 
-// metricValue is the value of the series of family name whose labels
-// include label=value (a counter, gauge, or a histogram's count); -1 if
-// there is none.
-func metricValue(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() != label || l.GetValue() != value {
-					continue
-				}
-				switch {
-				case m.Counter != nil:
-					return m.GetCounter().GetValue()
-				case m.Gauge != nil:
-					return m.GetGauge().GetValue()
-				case m.Histogram != nil:
-					return float64(m.GetHistogram().GetSampleCount())
-				}
-			}
-		}
-	}
-	return -1
-}
-
 func TestUpdaterPass(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
@@ -246,10 +216,10 @@ func TestUpdaterPass(t *testing.T) {
 		return r
 	}
 	passes := func(result string) float64 {
-		return metricValue(t, reg, "shepherd_updater_passes_total", "result", result)
+		return metricstest.Value(t, reg, "shepherd_updater_passes_total", "result", result)
 	}
 	machines := func(action string) float64 {
-		return metricValue(t, reg, "shepherd_updater_machines_total", "action", action)
+		return metricstest.Value(t, reg, "shepherd_updater_machines_total", "action", action)
 	}
 
 	// Nothing changed yet at the provider; the fleet is provisioning.
@@ -377,11 +347,11 @@ func TestUpdaterPass(t *testing.T) {
 		t.Errorf("passes by result: ok %v, suspect %v, busy %v, error %v; want 6, 1, 0, 0",
 			passes("ok"), passes("suspect"), passes("busy"), passes("error"))
 	}
-	if n := metricValue(t, reg, "shepherd_updater_pass_duration_seconds", "provider", "lab"); n != 7 {
+	if n := metricstest.Value(t, reg, "shepherd_updater_pass_duration_seconds", "provider", "lab"); n != 7 {
 		t.Errorf("pass durations observed: %v, want 7", n)
 	}
 	suspectGauge := func() float64 {
-		return metricValue(t, reg, "shepherd_updater_suspect_listing_missing_machines", "provider", "lab")
+		return metricstest.Value(t, reg, "shepherd_updater_suspect_listing_missing_machines", "provider", "lab")
 	}
 	if g := suspectGauge(); g != 4 {
 		t.Errorf("suspect listing gauge %v after a listing lacking 4 machines, want 4", g)
@@ -579,7 +549,7 @@ func TestUpdaterLease(t *testing.T) {
 		release()
 		t.Fatalf("B's pass while A's runs: %+v, %v; want busy", r, err)
 	}
-	if v := metricValue(t, regB, "shepherd_updater_passes_total", "result", "busy"); v != 1 {
+	if v := metricstest.Value(t, regB, "shepherd_updater_passes_total", "result", "busy"); v != 1 {
 		t.Errorf("B's busy passes: %v, want 1", v)
 	}
 	held, err := sb.AcquireProviderLease(t.Context(), "lab")
@@ -624,7 +594,7 @@ func TestUpdaterAtScale(t *testing.T) {
 	}
 	s := bmdbtest.Session(t, db, "updater", time.Minute)
 	transactions := func() float64 {
-		return metricValue(t, reg, "shepherd_bmdb_transactions_total", "result", "committed")
+		return metricstest.Value(t, reg, "shepherd_bmdb_transactions_total", "result", "committed")
 	}
 
 	before, start := transactions(), time.Now()
@@ -674,22 +644,22 @@ func TestUpdaterLogs(t *testing.T) {
 	p.set(item{id: "m1", status: provider.StatusProvisioning, location: "rack-0"})
 	p.set(item{id: "m2", status: provider.StatusRunning, location: "rack-1"})
 	p.record(t, s, "m1", "m2")
-	logs := newLogCapture()
-	u, err := manager.NewUpdater(manager.UpdaterConfig{}, db.DB, p, nil, logs.logger())
+	logs := logtest.New()
+	u, err := manager.NewUpdater(manager.UpdaterConfig{}, db.DB, p, nil, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
 	pass := func(what string, wantUpdated int) {
 		t.Helper()
-		logs.reset()
+		logs.Reset()
 		if r, err := u.Pass(t.Context(), s); err != nil || r.Updated != wantUpdated {
 			t.Fatalf("%s: %+v, %v; want %d updated", what, r, err, wantUpdated)
 		}
 	}
 	level := func(msg string) []slog.Level {
 		var out []slog.Level
-		for _, l := range logs.with(msg) {
-			out = append(out, l.level)
+		for _, l := range logs.With(msg) {
+			out = append(out, l.Level)
 		}
 		return out
 	}
@@ -698,8 +668,8 @@ func TestUpdaterLogs(t *testing.T) {
 		t.Errorf("pass-done lines of a pass that updated machines at %v, want one at Info", got)
 	}
 	changed := map[string]slog.Level{}
-	for _, l := range logs.with("machine details changed at the provider") {
-		changed[l.attrs["provider_id"]] = l.level
+	for _, l := range logs.With("machine details changed at the provider") {
+		changed[l.Attr("provider_id")] = l.Level
 	}
 	if want := map[string]slog.Level{"m1": slog.LevelDebug, "m2": slog.LevelInfo}; !maps.Equal(changed, want) {
 		t.Errorf("machine change lines %v, want m2's change of status at Info and m1's other change at Debug", changed)
@@ -713,7 +683,7 @@ func TestUpdaterLogs(t *testing.T) {
 	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelInfo}) {
 		t.Errorf("pass-done lines of a pass that marked a machine missing at %v, want one at Info", got)
 	}
-	if got := logs.with("machine missing at the provider"); len(got) != 1 || got[0].attrs["provider_id"] != "m2" || got[0].level != slog.LevelWarn {
+	if got := logs.With("machine missing at the provider"); len(got) != 1 || got[0].Attr("provider_id") != "m2" || got[0].Level != slog.LevelWarn {
 		t.Errorf("lines about the missing machine: %+v, want a warning naming m2", got)
 	}
 	p.set(item{id: "m2", status: provider.StatusRunning, location: "rack-1"})
@@ -721,10 +691,10 @@ func TestUpdaterLogs(t *testing.T) {
 	if got := level("update pass done"); !slices.Equal(got, []slog.Level{slog.LevelInfo}) {
 		t.Errorf("pass-done lines of a pass that found a machine again at %v, want one at Info", got)
 	}
-	if got := logs.with("machine listed by the provider again"); len(got) != 1 || got[0].attrs["provider_id"] != "m2" || got[0].attrs["provider_status"] != "Running" {
+	if got := logs.With("machine listed by the provider again"); len(got) != 1 || got[0].Attr("provider_id") != "m2" || got[0].Attr("provider_status") != "Running" {
 		t.Errorf("lines about the machine found again: %+v, want one naming m2 and its status", got)
 	}
-	if got := logs.with("releasing the update lease"); len(got) != 0 {
+	if got := logs.With("releasing the update lease"); len(got) != 0 {
 		t.Errorf("warnings about releasing the lease: %+v", got)
 	}
 }
@@ -775,9 +745,9 @@ func TestUpdaterRunLogs(t *testing.T) {
 	} {
 		c := newCatalog(tt.name)
 		c.record(t, s, "m1") // Provisioning: the changing period applies
-		logs := newLogCapture()
+		logs := logtest.New()
 		u, err := manager.NewUpdater(manager.UpdaterConfig{ChangingPeriod: 20 * time.Millisecond, StablePeriod: 20 * time.Millisecond},
-			db.DB, tt.p, nil, logs.logger())
+			db.DB, tt.p, nil, logs.Logger())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -791,11 +761,11 @@ func TestUpdaterRunLogs(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatalf("%s: Run() = %v", tt.name, err)
 		}
-		failed := logs.with("update pass failed")
+		failed := logs.With("update pass failed")
 		switch {
 		case !tt.fails && len(failed) != 0:
 			t.Errorf("%s: failures logged: %+v", tt.name, failed)
-		case tt.fails && (len(failed) < 2 || failed[0].level != slog.LevelError || !strings.Contains(failed[0].attrs["err"], "listing failed")):
+		case tt.fails && (len(failed) < 2 || failed[0].Level != slog.LevelError || !strings.Contains(failed[0].Attr("err"), "listing failed")):
 			t.Errorf("%s: failure lines %+v, want one per failed pass, at Error, with the cause", tt.name, failed)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 	"github.com/shepherd/shepherd/manager"
 )
@@ -71,11 +72,11 @@ func TestWorkEndRetriedAfterConnectionLoss(t *testing.T) {
 	}
 
 	proxy.SetMode(tcpproxy.Reset)
-	before := counter(t, reg, "shepherd_bmdb_transactions_total", "result=failed")
+	before := metricstest.Value(t, reg, "shepherd_bmdb_transactions_total", "result", "failed")
 	close(release)
 	// Two failed attempts to end the work (Finish and Fail, before the fix).
 	bmdbtest.WaitFor(t, 60*time.Second, "ending the work failed twice", func(context.Context) (bool, error) {
-		return counter(t, reg, "shepherd_bmdb_transactions_total", "result=failed") >= before+2, nil
+		return metricstest.Value(t, reg, "shepherd_bmdb_transactions_total", "result", "failed") >= before+2, nil
 	})
 	proxy.SetMode(tcpproxy.Pass)
 
