@@ -7,7 +7,6 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net"
 	"strings"
@@ -19,7 +18,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
-	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/http2"
 	"golang.org/x/sync/errgroup"
 
@@ -27,8 +25,10 @@ import (
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/internal/tcpproxy"
 	"github.com/shepherd/shepherd/server"
+	"github.com/shepherd/shepherd/server/servertest"
 )
 
 // syncBuffer is a log sink safe for the server's goroutines.
@@ -196,7 +196,7 @@ func TestConnectionLimitPerIP(t *testing.T) {
 			t.Fatal("a fourth connection from the same address was served")
 		}
 	}
-	if got := counterValue(t, e.reg, "shepherd_server_connections_refused_total", "per_ip"); got < 1 {
+	if got := metricstest.Value(t, e.reg, "shepherd_server_connections_refused_total", "limit", "per_ip"); got < 1 {
 		t.Errorf("connections_refused{limit=per_ip} = %v, want >= 1", got)
 	}
 	held[0].Close()
@@ -287,52 +287,8 @@ func TestBlackholedDatabase(t *testing.T) {
 func startBehindProxy(t *testing.T) (e *env, proxy *tcpproxy.Proxy, stop func() error) {
 	t.Helper()
 	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
-	srv, err := server.New(server.Config{Listen: "127.0.0.1:0", DataDir: t.TempDir(), FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond}, db.DB)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr, err := srv.Listen()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	stop = func() error {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				return fmt.Errorf("Run: %w", err)
-			}
-			return nil
-		case <-time.After(60 * time.Second):
-			return errors.New("the server did not stop within a minute")
-		}
-	}
-	return &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr.String()}, proxy, stop
-}
-
-func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetValue() == label {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return 0
+	srv, addr, stop := servertest.Run(t, db.DB, server.Config{FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond})
+	return &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr}, proxy, stop
 }
 
 // TestDatabaseOutageIsNotSilence: while the server cannot record heartbeats
