@@ -26,6 +26,7 @@ import (
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/shepherd/shepherd/agent"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
@@ -306,15 +307,6 @@ func onlineCPUs(t *testing.T) int {
 
 func TestTakeoverRejectsBadInput(t *testing.T) {
 	t.Parallel()
-	good := func(m func(*agentv1.TakeoverInit)) []byte {
-		init := &agentv1.TakeoverInit{MachineId: uuid.NewString(), ServerEndpoint: "127.0.0.1:7443"}
-		m(init)
-		raw, err := proto.Marshal(init)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return raw
-	}
 	random := make([]byte, 4096)
 	if _, err := rand.Read(random); err != nil {
 		t.Fatal(err)
@@ -324,11 +316,11 @@ func TestTakeoverRejectsBadInput(t *testing.T) {
 		"garbage":            []byte("this is not a protobuf message\n"),
 		"random bytes":       random,
 		"too large":          bytes.Repeat([]byte{0}, 1<<20),
-		"machine id":         good(func(i *agentv1.TakeoverInit) { i.MachineId = "machine-1" }),
-		"endpoint":           good(func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example" }),
-		"endpoint port":      good(func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example:99999" }),
-		"ca certificate":     good(func(i *agentv1.TakeoverInit) { i.CaCertificate = []byte("not DER") }),
-		"missing everything": good(func(i *agentv1.TakeoverInit) { *i = agentv1.TakeoverInit{} }),
+		"machine id":         agent.MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.MachineId = "machine-1" }),
+		"endpoint":           agent.MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example" }),
+		"endpoint port":      agent.MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example:99999" }),
+		"ca certificate":     agent.MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.CaCertificate = []byte("not DER") }),
+		"missing everything": agent.MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { *i = agentv1.TakeoverInit{} }),
 	}
 	for name, stdin := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -10,14 +10,13 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
-	"google.golang.org/protobuf/proto"
+	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
@@ -30,58 +29,9 @@ import (
 // virtual clock and asserted exactly: the loop's own waits are the only
 // thing that moves the clock. The daemon speaks the real protocol, gRPC
 // over HTTP/2, to a callback server in the bubble, over in-memory
-// connections (a goroutine reading a real socket would keep the clock from
+// connections (grpc's bufconn; a goroutine reading a real socket would keep the clock from
 // moving). TLS, which adds nothing to the schedule, is left to the tests
 // that run the agent binary against a real server.
-
-// pipeListener is a net.Listener of in-memory connections: DialContext
-// hands Accept one end of a net.Pipe and returns the other.
-type pipeListener struct {
-	conns  chan net.Conn
-	closed chan struct{}
-	once   sync.Once
-}
-
-func newPipeListener() *pipeListener {
-	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
-}
-
-func (l *pipeListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.conns:
-		return c, nil
-	case <-l.closed:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *pipeListener) Close() error {
-	l.once.Do(func() { close(l.closed) })
-	return nil
-}
-
-func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
-
-func (l *pipeListener) DialContext(ctx context.Context, network, _ string) (net.Conn, error) {
-	client, server := net.Pipe()
-	var err error
-	select {
-	case l.conns <- server:
-		return client, nil
-	case <-l.closed:
-		err = &net.OpError{Op: "dial", Net: network, Err: syscall.ECONNREFUSED}
-	case <-ctx.Done():
-		err = ctx.Err()
-	}
-	client.Close()
-	server.Close()
-	return nil, err
-}
-
-type pipeAddr struct{}
-
-func (pipeAddr) Network() string { return "pipe" }
-func (pipeAddr) String() string  { return "callback.test:7443" }
 
 // scriptedCallback is a callback server whose n-th heartbeat (from 0) is
 // answered by script(n, ...); it records when each arrived.
@@ -121,11 +71,11 @@ func runDaemon(t *testing.T, cfg daemonConfig, script func(ctx context.Context, 
 	mux.Handle(agentv1connect.NewAgentCallbackServiceHandler(cb))
 	var protocols http.Protocols
 	protocols.SetUnencryptedHTTP2(true)
-	l := newPipeListener()
+	l := bufconn.Listen(1 << 16)
 	srv := &http.Server{Handler: mux, Protocols: &protocols}
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(func() { _ = srv.Close() })
-	tr := &http.Transport{DialContext: l.DialContext, Protocols: &protocols}
+	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) { return l.DialContext(ctx) }, Protocols: &protocols}
 	t.Cleanup(tr.CloseIdleConnections)
 
 	cfg.StateDir, cfg.HardwareRoot = t.TempDir(), t.TempDir()
@@ -377,15 +327,6 @@ func TestDecommissionedStopsAtOnce(t *testing.T) {
 // closed), and one whose stdin is never closed after exactly StdinTimeout.
 func TestTakeoverRefusesBadInputAtOnce(t *testing.T) {
 	t.Parallel()
-	good := func(m func(*agentv1.TakeoverInit)) []byte {
-		init := &agentv1.TakeoverInit{MachineId: uuid.NewString(), ServerEndpoint: "127.0.0.1:7443"}
-		m(init)
-		raw, err := proto.Marshal(init)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return raw
-	}
 	for name, c := range map[string]struct {
 		stdin []byte
 		want  string
@@ -393,8 +334,8 @@ func TestTakeoverRefusesBadInputAtOnce(t *testing.T) {
 		"empty":      {nil, "stdin is empty"},
 		"garbage":    {[]byte("this is not a protobuf message\n"), "stdin does not hold a TakeoverInit"},
 		"too large":  {bytes.Repeat([]byte{0}, maxInitBytes+1), "more than 65536 bytes"},
-		"machine id": {good(func(i *agentv1.TakeoverInit) { i.MachineId = "machine-1" }), `machine_id "machine-1" is not a UUID`},
-		"endpoint":   {good(func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example" }), "is not host:port"},
+		"machine id": {MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.MachineId = "machine-1" }), `machine_id "machine-1" is not a UUID`},
+		"endpoint":   {MarshalTakeoverInit(t, func(i *agentv1.TakeoverInit) { i.ServerEndpoint = "shepherd.example" }), "is not host:port"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

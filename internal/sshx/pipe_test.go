@@ -11,15 +11,17 @@ import (
 	"time"
 
 	"golang.org/x/crypto/ssh"
+	"google.golang.org/grpc/test/bufconn"
 
 	"github.com/shepherd/shepherd/internal/sshtest"
 )
 
 // The tests in this file check the deadlines of Dial and Run on the
 // synctest bubble's clock: the server is in memory, reached through
-// Target.Dial over net.Pipe, so every wait (the pipe's deadlines, the
-// contexts' timers, x/crypto/ssh's channels and condition variables) is on
-// the bubble's virtual time. A silent peer is then silent for exactly as
+// Target.Dial over in-memory connections (grpc's bufconn, or net.Pipe), so
+// every wait (the connections' deadlines, the contexts' timers,
+// x/crypto/ssh's channels and condition variables) is on the bubble's
+// virtual time. A silent peer is then silent for exactly as
 // long as the test says, whatever the load on the machine, and the tests
 // can require that an operation returns at its deadline, not only "soon
 // after".
@@ -42,23 +44,21 @@ func newPipeServer(t *testing.T, session func(ssh.Channel, <-chan *ssh.Request))
 // with s's host key in force.
 func (s *pipeServer) target(t *testing.T) Target {
 	return Target{Addr: "pipe", User: "root", Keys: []ssh.Signer{sshtest.NewKey(t)}, HostKey: s.hostKey.PublicKey(),
-		Dial: func(context.Context) (net.Conn, error) {
-			client, server := bufferedPipe()
-			go s.serve(server)
-			return client, nil
+		Dial: func(ctx context.Context) (net.Conn, error) {
+			// A listener per connection: bufconn's connections are
+			// buffered, as TCP's are, so both ends can send their
+			// version before they read the other's (a bare net.Pipe
+			// would block them on each other).
+			l := bufconn.Listen(1 << 16)
+			go func() {
+				c, err := l.Accept()
+				l.Close()
+				if err == nil {
+					s.serve(c)
+				}
+			}()
+			return l.DialContext(ctx)
 		}}
-}
-
-// bufferedPipe is net.Pipe with room for one write in each direction, as a
-// TCP connection has (and more): both ends of an SSH connection send their
-// version before they read the other's, which would block each other on a
-// bare net.Pipe.
-func bufferedPipe() (client, server net.Conn) {
-	client, a := net.Pipe()
-	b, server := net.Pipe()
-	go func() { _, _ = io.Copy(b, a); b.Close() }()
-	go func() { _, _ = io.Copy(a, b); a.Close() }()
-	return client, server
 }
 
 // serve runs one connection until the client closes it.

@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc/test/bufconn"
 )
 
 func TestMain(m *testing.M) {
@@ -67,18 +68,18 @@ func newFake(t testing.TB) *fake {
 }
 
 // newMemFake starts a fake that clients reach over in-memory
-// connections (pipeListener), through the client f.hc: the fake for tests
+// connections (grpc's bufconn), through the client f.hc: the fake for tests
 // in a synctest bubble, whose clock advances only while every goroutine
 // waits on the bubble, which a goroutine reading a real socket does not.
 // The wire protocol is the same HTTP/1.1.
 func newMemFake(t testing.TB) *fake {
 	f := newFakeHandler(t)
-	l := newPipeListener()
+	l := bufconn.Listen(1 << 16)
 	srv := &http.Server{Handler: f, ReadHeaderTimeout: time.Minute}
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(func() { _ = srv.Close() })
 	f.base = "http://metal.test/metal/v1"
-	f.hc = &http.Client{Transport: &http.Transport{DialContext: l.DialContext}}
+	f.hc = &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) { return l.DialContext(ctx) }}}
 	return f
 }
 
@@ -112,56 +113,6 @@ func (f *fake) client(t testing.TB, mod func(*Config)) (*Client, *prometheus.Reg
 		}
 	})
 }
-
-// pipeListener is a net.Listener of in-memory connections: DialContext
-// hands Accept one end of a net.Pipe and returns the other. Its goroutines
-// block on channels, which a synctest bubble sees as durably blocked.
-type pipeListener struct {
-	conns  chan net.Conn
-	closed chan struct{}
-	once   sync.Once
-}
-
-func newPipeListener() *pipeListener {
-	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
-}
-
-func (l *pipeListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.conns:
-		return c, nil
-	case <-l.closed:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *pipeListener) Close() error {
-	l.once.Do(func() { close(l.closed) })
-	return nil
-}
-
-func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
-
-func (l *pipeListener) DialContext(ctx context.Context, network, _ string) (net.Conn, error) {
-	client, server := net.Pipe()
-	var err error
-	select {
-	case l.conns <- server:
-		return client, nil
-	case <-l.closed:
-		err = &net.OpError{Op: "dial", Net: network, Err: syscall.ECONNREFUSED}
-	case <-ctx.Done():
-		err = ctx.Err()
-	}
-	client.Close()
-	server.Close()
-	return nil, err
-}
-
-type pipeAddr struct{}
-
-func (pipeAddr) Network() string { return "pipe" }
-func (pipeAddr) String() string  { return "metal.test:80" }
 
 func (f *fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.mu.Lock()
