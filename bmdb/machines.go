@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // ErrInvalidFilter means a MachineFilter (or a page size) was refused: an
@@ -107,6 +108,11 @@ func (f MachineFilter) params() (filterParams, error) {
 	if f.FirstHeartbeatTimeout < 0 || f.HeartbeatTimeout < 0 {
 		return filterParams{}, fmt.Errorf("%w: heartbeat timeouts must be >= 0 (0 = default), got %s and %s",
 			ErrInvalidFilter, f.FirstHeartbeatTimeout, f.HeartbeatTimeout)
+	}
+	for _, v := range []struct{ name, text string }{{"provider", f.Provider}, {"location", f.Location}, {"search", f.Search}} {
+		if !safetext.Storable(v.text) {
+			return filterParams{}, fmt.Errorf("%w: %s %q is not text: it is not valid UTF-8 or holds a NUL byte", ErrInvalidFilter, v.name, safetext.Cut(v.text, 64))
+		}
 	}
 	search := strings.ToLower(strings.TrimSpace(f.Search))
 	if len(search) > maxSearchLength {

@@ -376,6 +376,11 @@ func TestListMachinesInvalid(t *testing.T) {
 		{"unknown state", bmdb.MachineFilter{State: "Sleepy"}, 10},
 		{"negative timeout", bmdb.MachineFilter{HeartbeatTimeout: -time.Second}, 10},
 		{"search too long", bmdb.MachineFilter{Search: strings.Repeat("x", 300)}, 10},
+		// Text PostgreSQL refuses as a parameter: an error of the filter,
+		// not of the database.
+		{"NUL in search", bmdb.MachineFilter{Search: "m\x00"}, 10},
+		{"provider not UTF-8", bmdb.MachineFilter{Provider: "\xff\xfe"}, 10},
+		{"NUL in location", bmdb.MachineFilter{Location: "fra1\x00"}, 10},
 		{"page of 0", bmdb.MachineFilter{}, 0},
 		{"page too large", bmdb.MachineFilter{}, bmdb.MaxMachinePage + 1},
 	} {

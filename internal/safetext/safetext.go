@@ -23,6 +23,13 @@ func Clean(s string) string {
 	return strings.ReplaceAll(strings.ToValidUTF8(s, replacement), "\x00", replacement)
 }
 
+// Storable reports whether s is text PostgreSQL takes as it is: valid
+// UTF-8 without NUL bytes. Input that must be refused rather than cleaned
+// (a filter the operator typed) is checked with it.
+func Storable(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}
+
 // Cut returns Clean(s) cut to at most n bytes on a character boundary,
 // ending in "..." if it was cut (as much of the mark as fits when n < 3).
 func Cut(s string, n int) string {

@@ -48,3 +48,21 @@ func TestCut(t *testing.T) {
 		}
 	}
 }
+
+func TestStorable(t *testing.T) {
+	for s, want := range map[string]bool{
+		"":                       true,
+		"fra1":                   true,
+		"m\u00e9t\u00e9o \uFFFD": true, // a replacement character is text like any other
+		"m\x00":                  false,
+		"\xff\xfe":               false,
+		"caf\xc3":                false, // half a character
+	} {
+		if got := Storable(s); got != want {
+			t.Errorf("Storable(%q) = %v, want %v", s, got, want)
+		}
+		if want && Clean(s) != s {
+			t.Errorf("Clean(%q) changed text Storable accepts", s)
+		}
+	}
+}
