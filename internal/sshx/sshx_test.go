@@ -25,8 +25,7 @@ func TestDialNeedsHostKeyCheck(t *testing.T) {
 	for _, kind := range sshtest.Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
 			t.Parallel()
-			key := sshtest.NewKey(t)
-			h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+			h, key := hostFor(t, kind)
 			// The same Target with a key in force logs in: only the
 			// missing check stands between the client and the server.
 			if err := dialOnce(t, h, Target{Keys: []ssh.Signer{key}, HostKey: h.HostKey}); err != nil {
@@ -279,6 +278,13 @@ func TestSecretKeysGoOnlyToVerifiedServers(t *testing.T) {
 
 // loginVia logs in to h through addr with key, with x/crypto alone, so
 // that the tests of Run do not depend on Dial.
+// hostFor starts a real server of kind that lets key, a fresh key, in.
+func hostFor(t *testing.T, kind sshtest.Kind) (h *sshtest.Host, key ssh.Signer) {
+	t.Helper()
+	key = sshtest.NewKey(t)
+	return sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0], key
+}
+
 func loginVia(t *testing.T, h *sshtest.Host, addr string, key ssh.Signer) *ssh.Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
@@ -315,8 +321,7 @@ func TestRunReturnsWhenPeerGoesSilent(t *testing.T) {
 	for _, kind := range sshtest.Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
 			t.Parallel()
-			key := sshtest.NewKey(t)
-			h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+			h, key := hostFor(t, kind)
 			proxy := sshtest.StartProxy(t, h.Addr.String())
 			c := loginVia(t, h, proxy.Addr.String(), key)
 			marker := filepath.Join(h.Dir, "started")
@@ -366,8 +371,7 @@ func TestRunOutput(t *testing.T) {
 	for _, kind := range sshtest.Kinds(t) {
 		t.Run(string(kind), func(t *testing.T) {
 			t.Parallel()
-			key := sshtest.NewKey(t)
-			h := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+			h, key := hostFor(t, kind)
 			c := loginVia(t, h, h.Addr.String(), key)
 			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 			defer cancel()
