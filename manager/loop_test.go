@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -46,11 +47,18 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 			mu.Lock()
 			seen[task.Machine.MachineID]++
 			mu.Unlock()
+			mu.Lock()
+			tries := seen[task.Machine.MachineID]
+			mu.Unlock()
 			switch task.Machine.MachineID {
 			case boom:
 				panic("bad machine")
 			case later:
-				return nil, fmt.Errorf("breaker open: %w", manager.ErrRetryLater)
+				// Said once: a machine that stays a candidate and always
+				// says "retry later" is re-claimed before younger ones.
+				if tries == 1 {
+					return nil, fmt.Errorf("breaker open: %w", manager.ErrRetryLater)
+				}
 			case slow:
 				once.Do(func() { close(slowStarted) })
 				<-ctx.Done()
@@ -69,21 +77,18 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 
-	bmdbtest.WaitFor(t, 20*time.Second, "ok finished, boom failed, later retried, slow started", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, 20*time.Second, "ok finished, boom failed, later retried and finished, slow started", func(ctx context.Context) (bool, error) {
 		select {
 		case <-slowStarted:
 		default:
 			return false, nil
 		}
-		mu.Lock()
-		retried := seen[later] >= 2
-		mu.Unlock()
-		if !retried {
-			return false, nil
-		}
-		_, _, err := db.GetAgentStarted(ctx, ok)
-		if err != nil {
-			return false, err
+		for _, m := range []uuid.UUID{ok, later} {
+			if _, _, err := db.GetAgentStarted(ctx, m); errors.Is(err, bmdb.ErrNotFound) {
+				return false, nil
+			} else if err != nil {
+				return false, err
+			}
 		}
 		b, err := db.GetBackoff(ctx, boom, bmdb.ProcessAgentStart)
 		return err == nil && b.Attempts == 1, err
@@ -104,12 +109,22 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 	if _, err := db.GetBackoff(t.Context(), slow, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("stopping backed the slow machine off: %v", err)
 	}
-	// ErrRetryLater cancels without backoff, so the machine is tried again.
+	// ErrRetryLater cancels without backoff, so the machine is tried again:
+	// once more, which finished it.
 	mu.Lock()
 	n := seen[later]
 	mu.Unlock()
-	if n < 2 {
-		t.Errorf("a machine whose processing said retry later was tried %d times", n)
+	if n != 2 {
+		t.Errorf("a machine whose processing said retry later once was tried %d times, want 2", n)
+	}
+	var laterEvents []bmdb.Event
+	for _, e := range events(t, db, later) {
+		if e.Process == bmdb.ProcessAgentStart {
+			laterEvents = append(laterEvents, e.Event)
+		}
+	}
+	if want := []bmdb.Event{bmdb.EventStarted, bmdb.EventCanceled, bmdb.EventStarted, bmdb.EventFinished}; !slices.Equal(laterEvents, want) {
+		t.Errorf("history of the machine that said retry later: %v, want %v", laterEvents, want)
 	}
 	if _, err := db.GetBackoff(t.Context(), later, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("retry later backed the machine off: %v", err)
