@@ -100,7 +100,7 @@ func checkLeftFleet(t *testing.T, db *bmdbtest.DB, providerName string, id uuid.
 	if err != nil {
 		t.Fatal(err)
 	}
-	bmdbtest.WaitFor(t, 30*time.Second, "no live tags left", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "no live tags left", func(ctx context.Context) (bool, error) {
 		if _, err := j.Pass(ctx); err != nil {
 			return false, err
 		}
@@ -150,7 +150,7 @@ func TestDecommissionSimMachine(t *testing.T) {
 		recoverer: manager.RecovererConfig{HeartbeatTimeout: time.Minute, FirstHeartbeatTimeout: time.Minute},
 		interval:  interval,
 	})
-	f.waitHealthy(machines, 60*time.Second)
+	f.waitHealthy(machines, 3*time.Minute)
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -195,10 +195,10 @@ func TestDecommissionSimMachine(t *testing.T) {
 		return metricstest.Value(t, f.reg, "shepherd_provisioner_passes_total", "provider", "sim", "result", "ok")
 	}
 	after := passes() + 3
-	bmdbtest.WaitFor(t, 30*time.Second, "three more provisioner passes", func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "three more provisioner passes", func(context.Context) (bool, error) {
 		return passes() >= after, nil
 	})
-	f.waitHealthy(machines-1, 30*time.Second)
+	f.waitHealthy(machines-1, time.Minute)
 	st, err := f.db.FleetStates(t.Context(), f.sim.Name(), 0, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -221,7 +221,7 @@ func TestDecommissionSimMachine(t *testing.T) {
 // id after after.
 func waitSimHeartbeat(t *testing.T, f *sim.Fleet, id string, after time.Time) {
 	t.Helper()
-	bmdbtest.WaitFor(t, 30*time.Second, "a heartbeat of "+id, func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "a heartbeat of "+id, func(context.Context) (bool, error) {
 		return f.LastHeartbeat(id).After(after), nil
 	})
 }
@@ -247,7 +247,7 @@ func TestDecommissionUnreleasedSimMachine(t *testing.T) {
 		recoverer: manager.RecovererConfig{HeartbeatTimeout: time.Minute, FirstHeartbeatTimeout: time.Minute},
 		interval:  interval,
 	})
-	f.waitHealthy(machines, 60*time.Second)
+	f.waitHealthy(machines, 3*time.Minute)
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -262,7 +262,7 @@ func TestDecommissionUnreleasedSimMachine(t *testing.T) {
 		return metricstest.Value(t, f.reg, "shepherd_server_heartbeats_rejected_total", "reason", "retired")
 	}
 	before := rejected()
-	bmdbtest.WaitFor(t, 30*time.Second, "the agent's heartbeats refused", func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "the agent's heartbeats refused", func(context.Context) (bool, error) {
 		return rejected() >= before+2, nil
 	})
 	if st := f.sim.Stats(); st.AgentsRunning != machines || st.Releases != 0 {
@@ -363,7 +363,7 @@ func TestDecommissionReleaseFails(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	runDecommissioner(t, db, p, reg, bmdb.BackoffPolicy{Initial: 300 * time.Millisecond})
 	requestDecommission(t, db, id)
-	bmdbtest.WaitFor(t, 30*time.Second, "two failed attempts", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "two failed attempts", func(ctx context.Context) (bool, error) {
 		b, err := db.GetBackoff(ctx, id, bmdb.ProcessDecommission)
 		if errors.Is(err, bmdb.ErrNotFound) {
 			return false, nil

@@ -270,7 +270,7 @@ func TestJanitorRun(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- j.Run(ctx) }()
-	bmdbtest.WaitFor(t, 30*time.Second, "janitor passes and gauges", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "janitor passes and gauges", func(ctx context.Context) (bool, error) {
 		passes := metricstest.Value(t, reg, "shepherd_janitor_passes_total", "result", "ok")
 		g := gauges(t, reg, "shepherd_fleet_machines")
 		return passes >= 3 && g["location=,provider=lab,state=Provided"] == 1, nil

@@ -77,7 +77,7 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 
-	bmdbtest.WaitFor(t, 20*time.Second, "ok finished, boom failed, later retried and finished, slow started", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "ok finished, boom failed, later retried and finished, slow started", func(ctx context.Context) (bool, error) {
 		select {
 		case <-slowStarted:
 		default:
@@ -169,11 +169,11 @@ func TestRunnerSurvivesLostSession(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
-	bmdbtest.WaitFor(t, 10*time.Second, "first machine claimed", func(context.Context) (bool, error) { return processed.Load() == 1, nil })
+	bmdbtest.WaitFor(t, time.Minute, "first machine claimed", func(context.Context) (bool, error) { return processed.Load() == 1, nil })
 	db.Exec(t, "UPDATE sessions SET deadline = now() - interval '1 second' WHERE component = 'test-loop'")
 	close(release)
 	// A new session takes over, and every machine gets its agent.
-	bmdbtest.WaitFor(t, 30*time.Second, "every machine started", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "every machine started", func(ctx context.Context) (bool, error) {
 		n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_started")
 		return n == int64(len(ids)), nil
 	})

@@ -147,7 +147,7 @@ func TestSimFleetRecovers(t *testing.T) {
 		recoverer: manager.RecovererConfig{HeartbeatTimeout: timeout, FirstHeartbeatTimeout: 30 * time.Second, MaxRebootsPerWindow: 10},
 		interval:  interval,
 	})
-	f.waitHealthy(20, 60*time.Second)
+	f.waitHealthy(20, 3*time.Minute)
 
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
 	if err != nil {
@@ -263,7 +263,7 @@ func TestRebootStreakQuarantines(t *testing.T) {
 		},
 		interval: 200 * time.Millisecond,
 	})
-	f.waitHealthy(1, 60*time.Second)
+	f.waitHealthy(1, 3*time.Minute)
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -313,7 +313,7 @@ func TestUnreachedRebootsDoNotCount(t *testing.T) {
 		},
 		interval: 100 * time.Millisecond,
 	})
-	f.waitHealthy(2, 60*time.Second)
+	f.waitHealthy(2, 3*time.Minute)
 	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -322,7 +322,7 @@ func TestUnreachedRebootsDoNotCount(t *testing.T) {
 	if err := f.sim.Kill(dead.ProviderID); err != nil {
 		t.Fatal(err)
 	}
-	bmdbtest.WaitFor(t, 60*time.Second, "two failed reboots of the dead machine", func(ctx context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, 2*time.Minute, "two failed reboots of the dead machine", func(ctx context.Context) (bool, error) {
 		h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: dead.MachineID, Process: bmdb.ProcessRecovery})
 		failed := 0
 		for _, e := range h {

@@ -444,7 +444,9 @@ func TestTakeoverEndsWhenMachineGoesSilent(t *testing.T) {
 		if err := os.WriteFile(f.agent, []byte(agent), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		f.startInitializerWithTimeout(3 * time.Second)
+		// The exec timeout must outlast the upload and the agent's start on
+		// a loaded machine; the test waits it out once, after the silence.
+		f.startInitializerWithTimeout(10 * time.Second)
 		bmdbtest.WaitFor(t, time.Minute, "the agent started", func(context.Context) (bool, error) {
 			_, err := os.Stat(marker)
 			return err == nil, nil

@@ -470,7 +470,7 @@ func TestUpdaterPeriod(t *testing.T) {
 
 	// With the stable period an hour, five listings within the deadline
 	// mean the changing period is in force.
-	bmdbtest.WaitFor(t, 20*time.Second, "five listings while provisioning", func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "five listings while provisioning", func(context.Context) (bool, error) {
 		return p.lists.Load() >= 5, nil
 	})
 	mu.Lock()
@@ -482,7 +482,7 @@ func TestUpdaterPeriod(t *testing.T) {
 	mu.Unlock()
 
 	p.set(item{id: "m1", addr: netip.MustParseAddr("192.0.2.1"), status: provider.StatusRunning})
-	bmdbtest.WaitFor(t, 20*time.Second, "the stable period after the machine is Running", func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "the stable period after the machine is Running", func(context.Context) (bool, error) {
 		w, _, _ := lastWait()
 		return w == stable, nil
 	})
@@ -500,7 +500,7 @@ func TestUpdaterPeriod(t *testing.T) {
 	// ends early, and the updater polls at the changing period again.
 	p.set(item{id: "m2", status: provider.StatusProvisioning})
 	p.record(t, s, "m2")
-	bmdbtest.WaitFor(t, 20*time.Second, "listings again after a machine started provisioning", func(context.Context) (bool, error) {
+	bmdbtest.WaitFor(t, time.Minute, "listings again after a machine started provisioning", func(context.Context) (bool, error) {
 		w, _, _ := lastWait()
 		return p.lists.Load() >= lists+3 && w == changing, nil
 	})
@@ -539,7 +539,7 @@ func TestUpdaterLease(t *testing.T) {
 	}()
 	select {
 	case <-entered:
-	case <-time.After(20 * time.Second):
+	case <-time.After(time.Minute):
 		release()
 		t.Fatal("A's pass never listed")
 	}
