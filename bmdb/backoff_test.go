@@ -74,22 +74,26 @@ func TestBackoffPolicyNext(t *testing.T) {
 
 func TestBackoffPolicyValidate(t *testing.T) {
 	t.Parallel()
-	bad := map[string]bmdb.BackoffPolicy{
-		"no initial":        {},
-		"negative initial":  {Initial: -time.Second},
-		"maximum < initial": {Initial: time.Minute, Maximum: time.Second},
-		"negative maximum":  {Initial: time.Second, Maximum: -time.Second},
-		"NaN exponent":      {Initial: time.Second, Exponent: math.NaN()},
-		"infinite exponent": {Initial: time.Second, Exponent: math.Inf(1)},
-		"NaN jitter":        {Initial: time.Second, Jitter: math.NaN()},
-		"negative exponent": {Initial: time.Second, Exponent: -2},
-		"jitter above 1":    {Initial: time.Second, Jitter: 1.5},
-		"negative jitter":   {Initial: time.Second, Jitter: -0.1},
-		"negative attempts": {Initial: time.Second, MaxAttempts: -1},
+	// Each refusal names the field, so an operator knows what to fix.
+	bad := map[string]struct {
+		policy bmdb.BackoffPolicy
+		want   string
+	}{
+		"no initial":        {bmdb.BackoffPolicy{}, "Initial must be > 0, got 0s"},
+		"negative initial":  {bmdb.BackoffPolicy{Initial: -time.Second}, "Initial must be > 0, got -1s"},
+		"maximum < initial": {bmdb.BackoffPolicy{Initial: time.Minute, Maximum: time.Second}, "Maximum 1s is below Initial 1m0s"},
+		"negative maximum":  {bmdb.BackoffPolicy{Initial: time.Second, Maximum: -time.Second}, "Maximum must be >= 0 (0 = no cap), got -1s"},
+		"negative exponent": {bmdb.BackoffPolicy{Initial: time.Second, Exponent: -2}, "Exponent must be a finite number >= 0, got -2"},
+		"NaN exponent":      {bmdb.BackoffPolicy{Initial: time.Second, Exponent: math.NaN()}, "Exponent must be a finite number >= 0, got NaN"},
+		"infinite exponent": {bmdb.BackoffPolicy{Initial: time.Second, Exponent: math.Inf(1)}, "Exponent must be a finite number >= 0, got +Inf"},
+		"jitter above 1":    {bmdb.BackoffPolicy{Initial: time.Second, Jitter: 1.5}, "Jitter must be within [0, 1], got 1.5"},
+		"negative jitter":   {bmdb.BackoffPolicy{Initial: time.Second, Jitter: -0.1}, "Jitter must be within [0, 1], got -0.1"},
+		"NaN jitter":        {bmdb.BackoffPolicy{Initial: time.Second, Jitter: math.NaN()}, "Jitter must be within [0, 1], got NaN"},
+		"negative attempts": {bmdb.BackoffPolicy{Initial: time.Second, MaxAttempts: -1}, "MaxAttempts must be >= 0 (0 = never quarantine), got -1"},
 	}
-	for name, p := range bad {
-		if err := p.Validate(); err == nil {
-			t.Errorf("%s: Validate() = nil, want an error", name)
+	for name, tt := range bad {
+		if err := tt.policy.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%s: Validate() = %v, want an error containing %q", name, err, tt.want)
 		}
 	}
 	good := map[string]bmdb.BackoffPolicy{
