@@ -93,28 +93,37 @@ type Config struct {
 
 // Validate reports the first problem with the configuration. It changes nothing.
 func (c Config) Validate() error {
-	switch {
-	case (c.CertFile == "") != (c.KeyFile == ""):
+	if (c.CertFile == "") != (c.KeyFile == "") {
 		return errors.New("server: CertFile and KeyFile must be given together")
-	case c.CertFile == "" && c.DataDir == "":
+	}
+	if c.CertFile == "" && c.DataDir == "" {
 		return errors.New("server: DataDir is required for the development CA when no CertFile and KeyFile are given")
-	case c.HeartbeatInterval < 0:
+	}
+	if c.HeartbeatInterval < 0 {
 		return fmt.Errorf("server: HeartbeatInterval must be >= 0 (0 = default), got %s", c.HeartbeatInterval)
-	case c.MaxRequestBytes < 0:
+	}
+	if c.MaxRequestBytes < 0 {
 		return fmt.Errorf("server: MaxRequestBytes must be >= 0 (0 = default), got %d", c.MaxRequestBytes)
-	case c.MaxBatch < 0:
+	}
+	if c.MaxBatch < 0 {
 		return fmt.Errorf("server: MaxBatch must be >= 0 (0 = default), got %d", c.MaxBatch)
-	case c.Flushers < 0:
+	}
+	if c.Flushers < 0 {
 		return fmt.Errorf("server: Flushers must be >= 0 (0 = default), got %d", c.Flushers)
-	case c.FlushTimeout < 0:
+	}
+	if c.FlushTimeout < 0 {
 		return fmt.Errorf("server: FlushTimeout must be >= 0 (0 = default), got %s", c.FlushTimeout)
-	case c.RetryPushback < 0:
+	}
+	if c.RetryPushback < 0 {
 		return fmt.Errorf("server: RetryPushback must be >= 0 (0 = default), got %s", c.RetryPushback)
-	case c.MaxConnections < 0:
+	}
+	if c.MaxConnections < 0 {
 		return fmt.Errorf("server: MaxConnections must be >= 0 (0 = default), got %d", c.MaxConnections)
-	case c.MaxConnectionsPerIP < 0:
+	}
+	if c.MaxConnectionsPerIP < 0 {
 		return fmt.Errorf("server: MaxConnectionsPerIP must be >= 0 (0 = default), got %d", c.MaxConnectionsPerIP)
-	case c.MaxStreamsPerConnection < 0:
+	}
+	if c.MaxStreamsPerConnection < 0 {
 		return fmt.Errorf("server: MaxStreamsPerConnection must be >= 0 (0 = default), got %d", c.MaxStreamsPerConnection)
 	}
 	return nil
