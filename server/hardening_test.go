@@ -160,53 +160,99 @@ func firstLines(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// One client cannot hold more connections than the per-IP limit; the
-// connections over it are closed at once and counted.
-func TestConnectionLimitPerIP(t *testing.T) {
+// A server serves exactly as many connections as its limits allow, in
+// total and from one address; the next one is closed at once and counted.
+// Each connection that closes frees exactly one slot.
+func TestConnectionLimits(t *testing.T) {
 	t.Parallel()
-	e := start(t, server.Config{MaxConnectionsPerIP: 3})
-	id, key := e.machine()
-	tlsCfg, err := agent.ClientTLS(id.String(), e.endpoint, e.srv.CA(), key)
+	for _, tc := range []struct {
+		name  string
+		cfg   server.Config
+		limit string
+		// otherServed: whether another address is served while the
+		// first is at the limit.
+		otherServed bool
+	}{
+		{"total", server.Config{MaxConnections: 3}, "total", false},
+		{"per IP", server.Config{MaxConnectionsPerIP: 3}, "per_ip", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := start(t, tc.cfg)
+			id, key := e.machine()
+			tlsCfg, err := agent.ClientTLS(id.String(), e.endpoint, e.srv.CA(), key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var held []net.Conn
+			defer func() {
+				for _, c := range held {
+					c.Close()
+				}
+			}()
+			for range 3 {
+				c, err := e.open(tlsCfg, "127.0.0.1")
+				if err != nil {
+					t.Fatalf("connection %d, within the limit: %v", len(held)+1, err)
+				}
+				held = append(held, c)
+			}
+			if c, err := e.open(tlsCfg, "127.0.0.1"); err == nil {
+				c.Close()
+				t.Fatal("a connection over the limit was served")
+			}
+			if got := metricstest.Value(t, e.reg, "shepherd_server_connections_refused_total", "limit", tc.limit); got != 1 {
+				t.Errorf("connections_refused{limit=%s} = %v, want 1", tc.limit, got)
+			}
+			c, err := e.open(tlsCfg, "127.0.0.2")
+			if (err == nil) != tc.otherServed {
+				t.Errorf("a connection from another address at the limit: %v, want served %v", err, tc.otherServed)
+			}
+			if err == nil {
+				c.Close()
+			}
+
+			held[0].Close()
+			held = held[1:]
+			bmdbtest.WaitFor(t, 10*time.Second, "a slot is free again", func(context.Context) (bool, error) {
+				c, err := e.open(tlsCfg, "127.0.0.1")
+				if err == nil {
+					held = append(held, c)
+				}
+				return err == nil, err
+			})
+			if c, err := e.open(tlsCfg, "127.0.0.1"); err == nil {
+				c.Close()
+				t.Fatal("one connection closed, but two more were served")
+			}
+		})
+	}
+}
+
+// open connects from the local address ip and speaks HTTP/2 as a client
+// does. It returns the connection once the server has answered with its
+// SETTINGS, or the error that shows the server closed it.
+func (e *env) open(tlsCfg *tls.Config, ip string) (net.Conn, error) {
+	d := &net.Dialer{Timeout: 10 * time.Second, LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+	c, err := tls.DialWithDialer(d, "tcp", e.endpoint, tlsCfg)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	dial := func() (*tls.Conn, error) {
-		d := &net.Dialer{Timeout: 10 * time.Second}
-		c, err := tls.DialWithDialer(d, "tcp", e.endpoint, tlsCfg)
-		if err != nil {
-			return nil, err
-		}
-		return c, nil
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fr := http2.NewFramer(c, c)
+	_, err = c.Write([]byte(http2.ClientPreface))
+	if err == nil {
+		err = fr.WriteSettings()
 	}
-	var held []*tls.Conn
-	for range 3 {
-		c, err := dial()
-		if err != nil {
-			t.Fatalf("connection within the limit: %v", err)
-		}
-		held = append(held, c)
+	if err == nil {
+		_, err = fr.ReadFrame()
 	}
-	if c, err := dial(); err == nil {
-		// TLS 1.3 can complete on the client side before the server's
-		// close arrives: the first read tells.
-		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		_, rerr := c.Read(make([]byte, 1))
+	if err != nil {
 		c.Close()
-		if rerr == nil {
-			t.Fatal("a fourth connection from the same address was served")
-		}
+		return nil, err
 	}
-	if got := metricstest.Value(t, e.reg, "shepherd_server_connections_refused_total", "limit", "per_ip"); got < 1 {
-		t.Errorf("connections_refused{limit=per_ip} = %v, want >= 1", got)
-	}
-	held[0].Close()
-	bmdbtest.WaitFor(t, 10*time.Second, "a slot is free again", func(ctx context.Context) (bool, error) {
-		_, err := e.heartbeat(e.client(id, key), &agentv1.HeartbeatRequest{MachineId: id.String()})
-		return err == nil, err
-	})
-	for _, c := range held[1:] {
-		c.Close()
-	}
+	_ = c.SetDeadline(time.Time{})
+	return c, nil
 }
 
 // The server tells every client how many concurrent streams it may open on

@@ -33,25 +33,29 @@ func (l *limitListener) Accept() (net.Conn, error) {
 			return nil, err
 		}
 		ip := remoteIP(c)
-		l.mu.Lock()
-		reason := ""
-		switch {
-		case l.total >= l.maxTotal:
-			reason = "total"
-		case l.perIP[ip] >= l.maxPerIP:
-			reason = "per_ip"
-		default:
-			l.total++
-			l.perIP[ip]++
-		}
-		l.mu.Unlock()
-		if reason != "" {
+		if reason := l.take(ip); reason != "" {
 			l.refused(reason)
 			c.Close()
 			continue
 		}
 		return &limitedConn{Conn: c, l: l, ip: ip}, nil
 	}
+}
+
+// take takes a slot for a connection from ip, or returns which limit (total,
+// per_ip) leaves none.
+func (l *limitListener) take(ip netip.Addr) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.total >= l.maxTotal {
+		return "total"
+	}
+	if l.perIP[ip] >= l.maxPerIP {
+		return "per_ip"
+	}
+	l.total++
+	l.perIP[ip]++
+	return ""
 }
 
 func (l *limitListener) release(ip netip.Addr) {

@@ -334,8 +334,19 @@ func (s *Server) unavailable(ctx context.Context, msg string) error {
 // everything but client connections.
 func defaultMaxConnections() int {
 	var rl syscall.Rlimit
-	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil || rl.Cur > math.MaxInt32 {
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
 		return 1 << 20
 	}
-	return max(int(rl.Cur)-1024, 64)
+	return maxConnectionsFor(rl.Cur)
+}
+
+// maxConnectionsFor is the default connection limit under an open-file
+// limit of nofile: all but 1,024 descriptors, at least 64, and 1<<20 for a
+// limit beyond int32 (RLIM_INFINITY), where the file table is not what runs
+// out first.
+func maxConnectionsFor(nofile uint64) int {
+	if nofile > math.MaxInt32 {
+		return 1 << 20
+	}
+	return max(int(nofile)-1024, 64)
 }
