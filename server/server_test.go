@@ -40,7 +40,12 @@ type env struct {
 
 func start(t *testing.T, cfg server.Config) *env {
 	t.Helper()
-	db := bmdbtest.New(t)
+	return startOn(t, bmdbtest.New(t), cfg)
+}
+
+// startOn is start with a database the test has prepared.
+func startOn(t *testing.T, db *bmdbtest.DB, cfg server.Config) *env {
+	t.Helper()
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
 	srv, endpoint := servertest.Start(t, db.DB, cfg)
