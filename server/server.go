@@ -288,24 +288,30 @@ func (s *Server) Run(ctx context.Context) error {
 			s.log.ErrorContext(ctx, "heartbeat recorder stopped", "err", err)
 		}
 	}()
-	serveErr := make(chan error, 1)
-	go func() { serveErr <- gs.Serve(s.listener) }()
+	// Serve returns nil once stopped, or early with the error that made
+	// the listener fail.
+	var serveErr error
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		serveErr = gs.Serve(s.listener)
+	}()
 	s.log.InfoContext(ctx, "callback server listening", "addr", addr.String())
 
-	var runErr error
 	select {
 	case <-ctx.Done():
-	case err := <-serveErr:
-		runErr = fmt.Errorf("server: serving: %w", err)
+	case <-served:
 	}
 	stopped := make(chan struct{})
 	go func() {
 		gs.GracefulStop()
 		close(stopped)
 	}()
+	grace := time.NewTimer(10 * time.Second)
+	defer grace.Stop()
 	select {
 	case <-stopped:
-	case <-time.After(10 * time.Second):
+	case <-grace.C:
 		gs.Stop()
 		<-stopped
 	}
@@ -313,13 +319,12 @@ func (s *Server) Run(ctx context.Context) error {
 	stopBatch()
 	<-batchDone
 	<-recorderDone
-	if runErr == nil {
-		if err := <-serveErr; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			runErr = fmt.Errorf("server: serving: %w", err)
-		}
-	}
+	<-served
 	s.log.InfoContext(ctx, "callback server stopped")
-	return runErr
+	if serveErr != nil && !errors.Is(serveErr, grpc.ErrServerStopped) {
+		return fmt.Errorf("server: serving: %w", serveErr)
+	}
+	return nil
 }
 
 // unavailable is the answer to a heartbeat that could not be recorded now:
