@@ -75,3 +75,30 @@ func FuzzParseHeartbeat(f *testing.F) {
 		}
 	})
 }
+
+// FuzzTruncate: whatever the text, even invalid UTF-8, truncate returns at
+// most n bytes, the text itself if it fits, else a prefix marked with "...",
+// cut on a character boundary if the text is valid UTF-8.
+func FuzzTruncate(f *testing.F) {
+	for _, s := range []string{"", "short", strings.Repeat("a", 64), strings.Repeat("a", 65),
+		strings.Repeat("€", 30), strings.Repeat("\x80", 100), "a" + strings.Repeat("\x80", 99)} {
+		f.Add(s, 64)
+	}
+	f.Add("abcdef", 2)
+	f.Fuzz(func(t *testing.T, s string, n int) {
+		if n < 3 || n > 1<<16 {
+			return // the mark alone takes 3 bytes
+		}
+		got := truncate(s, n)
+		switch {
+		case len(s) <= n:
+			if got != s {
+				t.Fatalf("truncate(%q, %d) = %q, want it whole", s, n, got)
+			}
+		case len(got) > n || !strings.HasSuffix(got, "...") || !strings.HasPrefix(s, strings.TrimSuffix(got, "...")):
+			t.Fatalf("truncate(%q, %d) = %q, want a prefix of at most %d bytes marked with ...", s, n, got, n)
+		case utf8.ValidString(s) && !utf8.ValidString(got):
+			t.Fatalf("truncate(%q, %d) = %q cuts a character", s, n, got)
+		}
+	})
+}
