@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -22,6 +23,7 @@ import (
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/eventually"
 	"github.com/shepherd/shepherd/server"
 	"github.com/shepherd/shepherd/server/servertest"
 )
@@ -229,15 +231,25 @@ func TestHeartbeatRejected(t *testing.T) {
 		t.Errorf("garbage changed rows: %s -> %s", before, after)
 	}
 
-	want := map[string]float64{
+	waitCounts(t, e.reg, map[string]float64{
 		"no_client_certificate": 1, "unauthenticated": 7, "too_large": 1, "invalid_argument": 4,
-	}
-	got := rejected(t, e.reg)
-	for reason, n := range want {
-		if got[reason] != n {
-			t.Errorf("rejected{reason=%q} = %v, want %v (all: %v)", reason, got[reason], n, got)
+	})
+}
+
+// waitCounts waits until each of the counts of rejected has its value in
+// want. The server counts an RPC once it has answered it, so a count can
+// lag the answer a client has just received.
+func waitCounts(t *testing.T, reg *prometheus.Registry, want map[string]float64) {
+	t.Helper()
+	eventually.Holds(t, 10*time.Second, "the server's counts", func(context.Context) (bool, error) {
+		got := rejected(t, reg)
+		for k, v := range want {
+			if got[k] != v {
+				return false, fmt.Errorf("%s = %v, want %v (all: %v)", k, got[k], v, got)
+			}
 		}
-	}
+		return true, nil
+	})
 }
 
 // rawCodec sends a request's machine_id bytes as the whole message, to put
@@ -353,10 +365,8 @@ func TestHeartbeatsShareTransactions(t *testing.T) {
 	if err := g.Wait(); err != nil {
 		t.Fatal(err)
 	}
+	waitCounts(t, e.reg, map[string]float64{"accepted": n})
 	m := rejected(t, e.reg)
-	if m["accepted"] != n {
-		t.Errorf("accepted %v heartbeats, want %d", m["accepted"], n)
-	}
 	if m["batches"] >= n {
 		t.Errorf("%v transactions for %d concurrent heartbeats: no batching", m["batches"], n)
 	}
