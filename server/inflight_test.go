@@ -394,15 +394,23 @@ func TestFailedBatchesHoldRecoveryBack(t *testing.T) {
 		}
 		return n
 	}
-	// checkIn waits for the server's next check-in.
+	// checkIn waits for a check-in that began after it was called: the
+	// second one to write after that point (the first may have begun just
+	// before).
 	checkIn := func() {
 		t.Helper()
-		now := bmdbtest.Scalar[time.Time](t, e.db, `SELECT now()`)
-		bmdbtest.WaitFor(t, 10*time.Second, "the server checks in", func(ctx context.Context) (bool, error) {
-			var ok bool
-			err := e.db.Pool.QueryRow(ctx, `SELECT checked_at > $1 FROM heartbeat_recorders`, now).Scan(&ok)
-			return ok, err
-		})
+		since := bmdbtest.Scalar[time.Time](t, e.db, `SELECT now()`)
+		for range 2 {
+			bmdbtest.WaitFor(t, 10*time.Second, "the server checks in", func(ctx context.Context) (bool, error) {
+				var at time.Time
+				err := e.db.Pool.QueryRow(ctx, `SELECT checked_at FROM heartbeat_recorders`).Scan(&at)
+				if at.After(since) {
+					since = at
+					return true, nil
+				}
+				return false, err
+			})
+		}
 	}
 	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: active.String()}); err != nil {
 		t.Fatal(err)
@@ -413,8 +421,10 @@ func TestFailedBatchesHoldRecoveryBack(t *testing.T) {
 	}
 
 	release := blockWrites(t, e.db)
-	if _, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: active.String()}); connect.CodeOf(err) != connect.CodeUnavailable {
-		t.Fatalf("heartbeat whose write times out: %v, want Unavailable", err)
+	_, err := e.heartbeat(c, &agentv1.HeartbeatRequest{MachineId: active.String()})
+	var cerr *connect.Error
+	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable || cerr.Message() != "recording heartbeat failed; try again" {
+		t.Fatalf("heartbeat whose write times out: %v, want Unavailable from the server", err)
 	}
 	release()
 	checkIn()
