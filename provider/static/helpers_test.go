@@ -72,11 +72,12 @@ type sshServer struct {
 type run struct{ user, cmd string }
 
 // serverAuth says what the test server accepts: any of keys, or user and
-// password.
+// password; and, once logged in, every session unless refuseSessions.
 type serverAuth struct {
-	keys     []ssh.PublicKey
-	user     string
-	password string
+	keys           []ssh.PublicKey
+	user           string
+	password       string
+	refuseSessions bool // no command can start
 }
 
 func newSSHServer(t *testing.T, auth serverAuth) *sshServer {
@@ -99,6 +100,9 @@ func newSSHServer(t *testing.T, auth serverAuth) *sshServer {
 			return ctx.User() == auth.user && password == auth.password
 		}
 	}
+	if auth.refuseSessions {
+		srv.ChannelHandlers = map[string]gliderssh.ChannelHandler{} // none: every channel is rejected
+	}
 	srv.AddHostKey(hostSigner)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -112,6 +116,10 @@ func newSSHServer(t *testing.T, auth serverAuth) *sshServer {
 	}()
 	t.Cleanup(func() {
 		_ = srv.Close()
+		// Close alone does not stop a Serve that has not registered ln yet
+		// (gliderlabs/ssh forgets a Close that came first), which hung a
+		// test that never dialed; closing ln ends Serve either way.
+		_ = ln.Close()
 		<-served
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
