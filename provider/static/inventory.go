@@ -212,7 +212,7 @@ func (p *parser) syntaxError(data []byte, err error) {
 		}
 	}
 	last := bytes.Count(data, []byte("\n"))
-	if len(data) > 0 && data[len(data)-1] != '\n' {
+	if !bytes.HasSuffix(data, []byte("\n")) { // a last line without its newline
 		last++
 	}
 	p.errorf(max(min(line, last), 1), "%s", msg)

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -206,6 +207,24 @@ FILE:4: machine "a": trust_on_first_use must be true or false, got "1"`},
     address: 10.0.0.1
     host_key: "ssh-dss AAAAB3NzaC1kc3MAAACBAPLUSoXwQ2x8VSNNRzvQdrBmXMlYs1/6sVHyqjmmCHAm4FmQi1sS5w3hCEIrG9JOnXDoR9nZeeuBIC+6N0h6vV34b+cdrjSHpLDkDsNI2x4gOQ0D0YgDTe5r3QWEYVSZ+r7Xx9/rhtCPlcQO8xSG/SCJzzmHoXUyk2ZHQzKoq9PHAAAAFQCY8B9Lf8DnMCoChwgxQmgq+/B3/QAAAIAr/I9VyYQ5mCrtl3DZ6yNN9b8T0c2L3JZxnSPWjyD0BxdgrYxF0ZpZG0TrDXYgeVHfu9h0BgrkqE+gcvMnt3z4b3XlvUJKhR/aRmRdtVvaRcslYUTxpZkZ1N0GmeZdn7JCpOTLUp6HJgdS+4NHxvgbLEmjyeoQxy+b0HVRfKY0ZwAAAIEAwGsxbF4SHyjqgHIL64QWZPDozwq6W6g/ShDNPPVyjYNkCm3bwTEBvYuhu41FP2IfmXDHi3lvV6blRpxP3Dkw3e8wr7oGSzs8zmbDYW8fWvLqsrY6AyemVAv/QwoT3Ulb5uaKE0+jaxbDbPWd4ZIxvzMyaHtT3GcGp7eP1Wlpc1Q="
 `, `FILE:4: machine "a": host_key: SSH host keys of type ssh-dss cannot be verified (use an ed25519, ECDSA or RSA key)`},
+		{"broken second document", "machines: []\n---\n[\n", `FILE:3: did not find expected node content`},
+		{"key not a plain name", "machines:\n  - {[x]: 1, id: a, address: 10.0.0.1}\n", `FILE:2: machine "a": a key must be a plain name, not a list`},
+		{"defaults not a mapping", "defaults: 22\nmachines: []\n", `FILE:1: defaults must be a mapping, not a single value`},
+		{"empty password file name", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_file: ""
+`, `FILE:4: machine "a": ssh_password_file is empty (leave it out for the default)`},
+		{"empty key variable name", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_key_env: " "
+`, `FILE:4: machine "a": ssh_key_env is empty (leave it out for the default)`},
+		{"password file is a directory", `machines:
+  - id: a
+    address: 10.0.0.1
+    ssh_password_file: DIR
+`, `FILE:4: machine "a": ssh_password_file: reading DIR: read DIR: is a directory`},
 		{"empty reboot_command", `machines:
   - id: a
     address: 10.0.0.1
@@ -243,21 +262,126 @@ FILE:5: duplicate machine id "a" (first at line 2)`},
 	}
 }
 
-// The last problems of a file with very many are summed up.
+// An error lists up to maxProblems problems, each on its line; the rest
+// are summed up in one more line.
 func TestManyProblems(t *testing.T) {
 	t.Parallel()
-	var inv strings.Builder
-	inv.WriteString("machines:\n")
-	for i := range 30 {
-		fmt.Fprintf(&inv, "  - id: m%d\n", i)
+	for _, tt := range []struct {
+		problems  int
+		wantLines int
+		wantLast  string // the error's last line
+	}{
+		{maxProblems, maxProblems, "inv.yaml:21: machine \"m19\": address is required"},
+		{maxProblems + 1, maxProblems + 1, "inv.yaml: 1 more problems"},
+		{30, maxProblems + 1, "inv.yaml: 10 more problems"},
+	} {
+		t.Run(fmt.Sprint(tt.problems), func(t *testing.T) {
+			t.Parallel()
+			var inv strings.Builder
+			inv.WriteString("machines:\n")
+			for i := range tt.problems {
+				fmt.Fprintf(&inv, "  - id: m%d\n", i) // no address: one problem each
+			}
+			_, _, err := parse("inv.yaml", []byte(inv.String()), noEnv)
+			if err == nil {
+				t.Fatal("no error")
+			}
+			lines := strings.Split(err.Error(), "\n")
+			if len(lines) != tt.wantLines || lines[len(lines)-1] != tt.wantLast {
+				t.Errorf("error has %d lines, ending %q; want %d lines, ending %q", len(lines), lines[len(lines)-1], tt.wantLines, tt.wantLast)
+			}
+		})
 	}
-	_, _, err := parse("inv.yaml", []byte(inv.String()), noEnv)
-	if err == nil {
-		t.Fatal("no error")
+}
+
+// A port is a number from 1 to 65535, in a machine and in the defaults:
+// both ends are accepted, one past either is refused with FILE:LINE, where
+// and the value.
+func TestPortBounds(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		port string
+		want string // the error; "" means accepted
+	}{
+		{"1", ""},
+		{"65535", ""},
+		{"0", `port must be a number from 1 to 65535, got "0"`},
+		{"65536", `port must be a number from 1 to 65535, got "65536"`},
+	} {
+		t.Run(tt.port, func(t *testing.T) {
+			t.Parallel()
+			for _, c := range []struct{ where, inventory, wantAt string }{
+				{"machine", "machines:\n  - id: a\n    address: 10.0.0.1\n    port: " + tt.port + "\n", `inv.yaml:4: machine "a": `},
+				{"defaults", "defaults:\n  port: " + tt.port + "\nmachines:\n  - id: a\n    address: 10.0.0.1\n", "inv.yaml:2: defaults: "},
+			} {
+				inv, _, err := parse("inv.yaml", []byte(c.inventory), noEnv)
+				switch {
+				case tt.want == "" && err != nil:
+					t.Errorf("port %s in the %s: %v, want it accepted", tt.port, c.where, err)
+				case tt.want == "" && inv.byID["a"].m.addr.Port() != parsePort(t, tt.port):
+					t.Errorf("port %s in the %s: machine a is at %s", tt.port, c.where, inv.byID["a"].m.addr)
+				case tt.want != "" && (err == nil || err.Error() != c.wantAt+tt.want):
+					t.Errorf("port %s in the %s: error %v, want %q", tt.port, c.where, err, c.wantAt+tt.want)
+				}
+			}
+		})
 	}
-	lines := strings.Split(err.Error(), "\n")
-	if len(lines) != maxProblems+1 || lines[maxProblems] != "inv.yaml: 10 more problems" {
-		t.Errorf("error has %d lines, ending %q", len(lines), lines[len(lines)-1])
+}
+
+func parsePort(t *testing.T, s string) uint16 {
+	t.Helper()
+	n, err := strconv.ParseUint(s, 10, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint16(n)
+}
+
+// A secret file may hold up to maxSecretSize bytes: one of exactly that
+// size is read whole, one byte more is refused with an error naming the
+// file and the limit (a path such as /dev/zero given by mistake must not
+// exhaust memory).
+func TestSecretFileSizeLimit(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	atLimit := filepath.Join(dir, "at-limit")
+	pastLimit := filepath.Join(dir, "past-limit")
+	writeFile(t, atLimit, strings.Repeat("p", maxSecretSize-1)+"\n")
+	writeFile(t, pastLimit, strings.Repeat("p", maxSecretSize)+"\n")
+
+	inv, _, err := parse("inv.yaml", []byte("machines:\n  - id: a\n    address: 10.0.0.1\n    ssh_password_file: "+atLimit+"\n"), noEnv)
+	if err != nil {
+		t.Fatalf("a password file of %d bytes: %v", maxSecretSize, err)
+	}
+	if got := len(inv.byID["a"].password.reveal()); got != maxSecretSize-1 {
+		t.Errorf("a password file of %d bytes gave a password of %d bytes, want %d (all but the newline)", maxSecretSize, got, maxSecretSize-1)
+	}
+
+	_, _, err = parse("inv.yaml", []byte("machines:\n  - id: a\n    address: 10.0.0.1\n    ssh_password_file: "+pastLimit+"\n"), noEnv)
+	want := fmt.Sprintf(`inv.yaml:4: machine "a": ssh_password_file: %s is larger than %d bytes`, pastLimit, maxSecretSize)
+	if err == nil || err.Error() != want {
+		t.Errorf("a password file of %d bytes: %v, want %q", maxSecretSize+1, err, want)
+	}
+}
+
+// A YAML syntax error is reported at its line, whether the file ends with
+// a newline or not, and never past the file's last line.
+func TestSyntaxErrorLine(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct{ name, inventory, want string }{
+		{"no newline at the end", "machines:\n  - id: a\n    address: [10.0.0.1", "inv.yaml:3: did not find expected ',' or ']'"},
+		{"newline at the end", "machines:\n  - id: a\n    address: [10.0.0.1\n", "inv.yaml:3: did not find expected ',' or ']'"},
+		{"parser problem on the last line", "machines:\n- id: a\n x: 1", "inv.yaml:3: did not find expected key"},
+		{"scanner problem", "machines:\n\t- id: a\n", "inv.yaml:2: found character that cannot start any token"},
+		{"first line", "machines: [", "inv.yaml:1: did not find expected node content"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, _, err := parse("inv.yaml", []byte(tt.inventory), noEnv)
+			if err == nil || err.Error() != tt.want {
+				t.Errorf("parse(%q) error = %v, want %q", tt.inventory, err, tt.want)
+			}
+		})
 	}
 }
 
@@ -327,5 +451,86 @@ func TestSecretRedacted(t *testing.T) {
 	out := fmt.Sprintf("%v %+v %#v %s %q %x", s, s, s, s, s, s) + logs.String()
 	if strings.Contains(out, "hunter2") || strings.Contains(out, fmt.Sprintf("%x", "hunter2")) {
 		t.Errorf("the secret leaked: %s", out)
+	}
+}
+
+// trust_on_first_use in the defaults holds for every machine that does not
+// say otherwise.
+func TestTrustOnFirstUseOverride(t *testing.T) {
+	t.Parallel()
+	inv, _, err := parse("inv.yaml", []byte(`defaults:
+  trust_on_first_use: true
+machines:
+  - {id: a, address: 10.0.0.1}
+  - {id: b, address: 10.0.0.2, trust_on_first_use: false}
+`), noEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a, b := inv.byID["a"].trustOnFirstUse, inv.byID["b"].trustOnFirstUse; !a || b {
+		t.Errorf("trust_on_first_use: a %v, b %v; want a true from the defaults, b false as it says", a, b)
+	}
+}
+
+// YAML anchors and aliases stand for the value they name, so a value can
+// be written once and used again.
+func TestAliases(t *testing.T) {
+	t.Parallel()
+	inv, _, err := parse("inv.yaml", []byte(`machines:
+  - id: a
+    address: &ip 10.0.0.1
+    ssh_user: &user admin
+  - id: b
+    address: *ip
+    port: 2200
+    ssh_user: *user
+  - &c {id: c, address: 10.0.0.3}
+`), noEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := inv.byID["b"]
+	if b.m.addr.String() != "10.0.0.1:2200" || b.user != "admin" {
+		t.Errorf("machine b = addr %s, user %q; want 10.0.0.1:2200 and admin, through the aliases", b.m.addr, b.user)
+	}
+	if got, want := ids(inv.list), []string{"a", "b", "c"}; !slices.Equal(got, want) {
+		t.Errorf("ids = %v, want %v", got, want)
+	}
+}
+
+// A field written with no value (YAML null) is left out: the default
+// applies. So is a null defaults section or machines list.
+func TestNullMeansDefault(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct{ name, inventory, wantAddr, wantUser string }{
+		{"null fields", `defaults:
+  ssh_user: ops
+  port:
+machines:
+  - id: a
+    address: 10.0.0.1
+    port: ~
+    ssh_user:
+    reboot_command: null
+    trust_on_first_use:
+`, "10.0.0.1:22", "ops"},
+		{"null defaults", "defaults:\nmachines:\n  - {id: a, address: 10.0.0.1}\n", "10.0.0.1:22", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			inv, _, err := parse("inv.yaml", []byte(tt.inventory), noEnv)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := inv.byID["a"]
+			if a.m.addr.String() != tt.wantAddr || a.user != tt.wantUser || a.rebootCommand != defaultRebootCommand || a.trustOnFirstUse {
+				t.Errorf("machine a = addr %s, user %q, reboot %q, trust on first use %v; want %s, %q and the defaults",
+					a.m.addr, a.user, a.rebootCommand, a.trustOnFirstUse, tt.wantAddr, tt.wantUser)
+			}
+		})
+	}
+	inv, _, err := parse("inv.yaml", []byte("machines:\n"), noEnv)
+	if err != nil || len(inv.list) != 0 {
+		t.Errorf("parse(machines: null) = %v, %v; want an inventory without machines", inv, err)
 	}
 }
