@@ -237,3 +237,174 @@ func TestPollPicksUpRotatedSecrets(t *testing.T) {
 		t.Errorf("the log does not say which secret file changed:\n%s", logs.String())
 	}
 }
+
+// A reload logs how the set of machines changed: how many there are, and
+// how many arrived and left.
+func TestReloadLogsMachinesAddedAndRemoved(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1}\n  - {id: b, address: 10.0.0.2}\n")
+	var logs syncBuffer
+	p, err := New(Config{Inventory: path, Env: provider.Env{Logger: bufferLogger(&logs)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(logs.String(), "inventory reloaded") {
+		t.Errorf("New logged a reload:\n%s", logs.String())
+	}
+	// b leaves; c and d arrive; a stays.
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1}\n  - {id: c, address: 10.0.0.3}\n  - {id: d, address: 10.0.0.4}\n")
+	if err := p.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if want := "inventory reloaded"; !strings.Contains(logs.String(), `msg="`+want+`"`) ||
+		!strings.Contains(logs.String(), "machines=3 added=2 removed=1") {
+		t.Errorf("the log does not say that 3 machines are in force, 2 added and 1 removed:\n%s", logs.String())
+	}
+}
+
+// An unchanged inventory whose secret files are unchanged is not read
+// again, however often Run polls; a secret file that breaks it is reported
+// once, not at every poll.
+func TestPollIgnoresUnchangedSecrets(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "inventory.yaml")
+	pwFile, keyFile := filepath.Join(dir, "pw"), filepath.Join(dir, "key")
+	_, key := newKey(t)
+	writeFile(t, pwFile, "pw\n")
+	writeFile(t, keyFile, string(key))
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1, ssh_password_file: "+pwFile+", ssh_key_file: "+keyFile+"}\n")
+	reg := prometheus.NewRegistry()
+	var logs syncBuffer
+	p, err := New(Config{Inventory: path, Env: provider.Env{Registerer: reg, Logger: bufferLogger(&logs)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := logs.String()
+	for range 3 {
+		p.poll()
+	}
+	if after := logs.String(); after != before {
+		t.Errorf("polls of unchanged files logged:\n%s", strings.TrimPrefix(after, before))
+	}
+
+	writeFile(t, keyFile, "not a key\n")
+	for range 3 {
+		p.poll()
+	}
+	if e := metricValue(t, reg, metricReloadErrors); e != 1 {
+		t.Errorf("reload errors after three polls of a broken key file = %v, want 1", e)
+	}
+	if n := strings.Count(logs.String(), "inventory is broken"); n != 1 {
+		t.Errorf("the broken key file was logged %d times, want once:\n%s", n, logs.String())
+	}
+}
+
+// Run tells a changed inventory by its size and modification time, so it
+// does not read the file every ReloadInterval. An edit that keeps both is
+// seen by Reload (SIGHUP), which reads the file whatever changed.
+func TestPollTrustsSizeAndModTime(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1}\n")
+	p, err := New(Config{Inventory: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("machines:\n  - {id: b, address: 10.0.0.1}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(path, fi.ModTime(), fi.ModTime()); err != nil {
+		t.Fatal(err)
+	}
+	listed := func() []string {
+		ms, _ := p.ListMachines(t.Context())
+		return ids(ms)
+	}
+	p.poll()
+	if got := listed(); !slices.Equal(got, []string{"a"}) {
+		t.Errorf("after a poll of a file with its size and modification time unchanged, ListMachines = %v, want [a]", got)
+	}
+	if err := p.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if got := listed(); !slices.Equal(got, []string{"b"}) {
+		t.Errorf("after Reload ListMachines = %v, want [b]", got)
+	}
+}
+
+// A file that can be found but not read (here a directory in its place) is
+// reported once, however often Run polls, and the last good inventory
+// stays in force until a good file is back.
+func TestPollUnreadableInventory(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, "machines:\n  - {id: a, address: 10.0.0.1}\n")
+	reg := prometheus.NewRegistry()
+	var logs syncBuffer
+	p, err := New(Config{Inventory: path, Env: provider.Env{Registerer: reg, Logger: bufferLogger(&logs)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(path, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		p.poll()
+	}
+	if v, e := metricValue(t, reg, metricValid), metricValue(t, reg, metricReloadErrors); v != 0 || e != 1 {
+		t.Errorf("after three polls of an unreadable inventory: valid %v, reload errors %v; want 0, 1", v, e)
+	}
+	if want := "reading inventory: read " + path + ": is a directory"; strings.Count(logs.String(), want) != 1 {
+		t.Errorf("the log does not say once that %q:\n%s", want, logs.String())
+	}
+	if ms, _ := p.ListMachines(t.Context()); !slices.Equal(ids(ms), []string{"a"}) {
+		t.Errorf("with the inventory unreadable ListMachines = %v, want the last good [a]", ids(ms))
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, path, "machines:\n  - {id: b, address: 10.0.0.2}\n")
+	p.poll()
+	if ms, _ := p.ListMachines(t.Context()); !slices.Equal(ids(ms), []string{"b"}) {
+		t.Errorf("with a good file back ListMachines = %v, want [b]", ids(ms))
+	}
+
+	// New refuses an unreadable inventory outright.
+	if _, err := New(Config{Inventory: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "reading inventory: read ") {
+		t.Errorf("New of a directory: %v, want an error reading the inventory", err)
+	}
+}
+
+// A provider whose metrics cannot all be registered fails to start and
+// leaves the registerer as it found it, so that it can be created again
+// once the clash is gone.
+func TestMetricsClashLeavesRegistererUntouched(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, "machines: []\n")
+	reg := prometheus.NewRegistry()
+	// Another provider's series "valid" clashes with the second of the
+	// provider's series, not the first.
+	other, err := newMetrics(prometheus.NewRegistry(), "static")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocker := other.valid
+	reg.MustRegister(blocker)
+	if _, err := New(Config{Inventory: path, Env: provider.Env{Registerer: reg}}); err == nil || !strings.Contains(err.Error(), "registering metrics") {
+		t.Fatalf("New with a clashing series registered: %v, want an error registering metrics", err)
+	}
+	reg.Unregister(blocker)
+	if _, err := New(Config{Inventory: path, Env: provider.Env{Registerer: reg}}); err != nil {
+		t.Errorf("New after the clash is gone: %v", err)
+	}
+}

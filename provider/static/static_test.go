@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -249,5 +250,16 @@ func TestRunStopsWithContext(t *testing.T) {
 	cancel()
 	if err := p.Run(ctx); err != nil {
 		t.Errorf("Run after cancel = %v, want nil", err)
+	}
+}
+
+// The Factory's provider loads its inventory at once: a missing file is an
+// error naming it.
+func TestFactoryMissingInventory(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "nope.yaml")
+	_, err := Factory(t.Context(), provider.Env{}, fmt.Appendf(nil, "inventory: %s\n", path))
+	if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), path) {
+		t.Errorf("Factory with a missing inventory: %v, want ErrNotExist naming %s", err, path)
 	}
 }
