@@ -21,6 +21,7 @@ import (
 // machine and records what it is asked.
 type fakeHostKeys struct {
 	key ssh.PublicKey // nil: none recorded
+	err error         // what KnownHostKey fails with, if not nil
 
 	mu    sync.Mutex
 	asked []string // "known ID" and "mismatch ID"
@@ -33,7 +34,7 @@ func (f *fakeHostKeys) KnownHostKey(_ context.Context, providerID string) (ssh.P
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.asked = append(f.asked, "known "+providerID)
-	return f.key, nil
+	return f.key, f.err
 }
 
 func (f *fakeHostKeys) HostKeyMismatch(_ context.Context, providerID string, err error) error {
@@ -114,6 +115,9 @@ func TestReboot(t *testing.T) {
 	err := f.p.RebootMachine(t.Context(), "fail")
 	if err == nil || !strings.Contains(err.Error(), "exit status 1") || !strings.Contains(err.Error(), "reboot: permission denied") {
 		t.Errorf("RebootMachine with a command exiting 1: %v, want an error with its status and stderr", err)
+	}
+	if errors.Is(err, provider.ErrNotReached) {
+		t.Errorf("RebootMachine with a command exiting 1: %v wraps ErrNotReached, but the command ran on the machine", err)
 	}
 
 	before := len(f.srv.received())
@@ -276,4 +280,90 @@ func TestRebootWithMachineCredentials(t *testing.T) {
 		t.Errorf("running a command with SSHAccess(pw): %v", err)
 	}
 	c.Close()
+}
+
+// A reboot that fails before the machine confirmed it started the command
+// did nothing to the machine: its error wraps provider.ErrNotReached (so
+// the circuit breaker does not count it) and says what stood in the way.
+func TestRebootNotReached(t *testing.T) {
+	t.Parallel()
+	errBMDB := errors.New("the BMDB is down")
+	for _, tt := range []struct {
+		name     string
+		machine  string
+		auth     serverAuth // besides Shepherd's key
+		hostKeys *fakeHostKeys
+		wantErr  error
+	}{
+		{"host key checker fails", "{id: a, address: ADDR, port: PORT}", serverAuth{}, &fakeHostKeys{err: errBMDB}, errBMDB},
+		{"session refused", "{id: a, address: ADDR, port: PORT, host_key: HOSTKEY}", serverAuth{refuseSessions: true}, nil, sshx.ErrNotStarted},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			env := provider.Env{}
+			if tt.hostKeys != nil {
+				env.HostKeys = tt.hostKeys
+			}
+			client, _ := newKey(t)
+			env.SSHSigner, env.SSHUser = client, "shepherd"
+			auth := tt.auth
+			auth.keys = []ssh.PublicKey{client.PublicKey()}
+			srv := newSSHServer(t, auth)
+			p := newProviderFor(t, srv, "machines:\n  - "+tt.machine+"\n", env, noEnv)
+			err := p.RebootMachine(t.Context(), "a")
+			if !errors.Is(err, tt.wantErr) || !errors.Is(err, provider.ErrNotReached) {
+				t.Errorf("RebootMachine: %v, want an error wrapping %v and ErrNotReached", err, tt.wantErr)
+			}
+			if got := srv.received(); len(got) != 0 {
+				t.Errorf("the server ran %v", got)
+			}
+		})
+	}
+}
+
+// A machine that accepts only its own password gets it only once its host
+// key can be verified, or with trust_on_first_use: until then the reboot
+// fails, saying how to allow it, and nothing reaches the machine.
+func TestRebootWithholdsSecretsOnFirstUse(t *testing.T) {
+	t.Parallel()
+	vars := envMap(map[string]string{"PW": "open sesame"})
+	srv := newSSHServer(t, serverAuth{user: "admin", password: "open sesame"})
+	shepherdKey, _ := newKey(t)
+	env := provider.Env{HostKeys: &fakeHostKeys{}, SSHSigner: shepherdKey, SSHUser: "admin"}
+
+	p := newProviderFor(t, srv, "machines:\n  - {id: a, address: ADDR, port: PORT, ssh_password_env: PW}\n", env, vars)
+	err := p.RebootMachine(t.Context(), "a")
+	if !errors.Is(err, sshx.ErrSecretsWithheld) || !errors.Is(err, provider.ErrNotReached) ||
+		!strings.Contains(err.Error(), "pin host_key in the inventory or set trust_on_first_use: true") {
+		t.Errorf("RebootMachine with the password withheld: %v, want ErrSecretsWithheld, ErrNotReached and how to allow it", err)
+	}
+	if got := srv.received(); len(got) != 0 {
+		t.Errorf("the server ran %v", got)
+	}
+
+	p = newProviderFor(t, srv, "machines:\n  - {id: a, address: ADDR, port: PORT, ssh_password_env: PW, trust_on_first_use: true}\n", env, vars)
+	if err := p.RebootMachine(t.Context(), "a"); err != nil {
+		t.Errorf("RebootMachine with trust_on_first_use: %v", err)
+	}
+	if got, want := srv.received(), []run{{"admin", "systemctl reboot"}}; !slices.Equal(got, want) {
+		t.Errorf("with trust_on_first_use the server ran %v, want %v", got, want)
+	}
+}
+
+// newProviderFor writes machines (with ADDR, PORT and HOSTKEY standing for
+// srv's) to an inventory and creates its provider with env, reading
+// environment variables with lookupEnv.
+func newProviderFor(t *testing.T, srv *sshServer, machines string, env provider.Env, lookupEnv func(string) (string, bool)) *Provider {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "inventory.yaml")
+	writeFile(t, path, strings.NewReplacer(
+		"ADDR", srv.addr.Addr().String(),
+		"PORT", fmt.Sprint(srv.addr.Port()),
+		"HOSTKEY", authorizedKey(srv.hostKey),
+	).Replace(machines))
+	p, err := newProvider(Config{Inventory: path, SSHTimeout: 10 * time.Second, Env: env}, lookupEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
