@@ -173,7 +173,8 @@ func checkFileTargetDir(dir string) error {
 }
 
 // withDefaults returns c with its zero values replaced by the defaults,
-// except HTTPClient, which Install builds per call (see newDefaultClient).
+// except HTTPClient, which Install builds per call (see newDefaultClient),
+// and Logger, which Install resolves itself before anything can fail.
 func (c Config) withDefaults() Config {
 	if c.WorkDir == "" {
 		c.WorkDir = os.TempDir()
@@ -183,9 +184,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.StallTimeout == 0 {
 		c.StallTimeout = DefaultStallTimeout
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	return c
 }
@@ -311,7 +309,7 @@ func install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest
 		return fmt.Errorf("checksum mismatch: got %s, want %s", got, want)
 	}
 	logger.Info("image downloaded and verified", "bytes", size)
-	if target.size >= 0 && size > target.size {
+	if target.size != -1 && size > target.size { // -1: a file, which grows to the image's size
 		return fmt.Errorf("image is %d bytes, larger than target %s (%d bytes): nothing was written", size, target, target.size)
 	}
 
