@@ -375,8 +375,8 @@ func TestInstallRejectsMalformedRequests(t *testing.T) {
 		{"URL without host", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "http:///image.raw" }, "no host"},
 		{"unparsable URL", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "http://a b/%zz" }, "image_url"},
 		{"empty URL", func(r *agentv1.OSInstallationRequest) { r.ImageUrl = "" }, "image_url"},
-		{"short digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum[:63] }, "image_sha256"},
-		{"long digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum + "0" }, "image_sha256"},
+		{"short digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum[:63] }, "image_sha256 must be 64 hexadecimal characters, got 63 characters"},
+		{"long digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = sum + "0" }, "image_sha256 must be 64 hexadecimal characters, got 65 characters"},
 		{"non-hex digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = "zz" + sum[2:] }, "image_sha256"},
 		{"empty digest", func(r *agentv1.OSInstallationRequest) { r.ImageSha256 = "" }, "image_sha256"},
 		{"relative target", func(r *agentv1.OSInstallationRequest) { r.TargetDevice = "dev/sda" }, "target_device"},
@@ -464,13 +464,57 @@ func TestInstallImageTooLarge(t *testing.T) {
 
 func TestInstallImageExactlyAtLimit(t *testing.T) {
 	img, sum := testImage(t)
-	srv := newServer(t, serveChunked(img, 64<<10, 0))
-	target := existingTarget(t, nil)
+	for _, tt := range []struct {
+		name    string
+		handler http.HandlerFunc
+	}{
+		{"with Content-Length", serveImage(img)},
+		{"without Content-Length", serveChunked(img, 64<<10, 0)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, tt.handler)
+			target := existingTarget(t, nil)
 
-	cfg := allowing(t, target)
-	cfg.MaxImageBytes = int64(len(img))
-	assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
-	assertContent(t, target, img)
+			cfg := allowing(t, target)
+			cfg.MaxImageBytes = int64(len(img))
+			assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
+			assertContent(t, target, img)
+		})
+	}
+}
+
+// TestInstallHTTPStatusRange: every 2xx status is a success (a proxy may
+// answer 203), and anything else fails naming the status.
+func TestInstallHTTPStatusRange(t *testing.T) {
+	img, sum := testImage(t)
+	for _, tt := range []struct {
+		status int
+		want   string // "" means success
+	}{
+		{200, ""}, // a final 1xx status cannot be sent: net/http takes it for an informational one
+		{203, ""},
+		{299, ""},
+		{300, "server responded 300"},
+	} {
+		t.Run(strconv.Itoa(tt.status), func(t *testing.T) {
+			srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Length", strconv.Itoa(len(img)))
+				w.WriteHeader(tt.status)
+				_, _ = w.Write(img)
+			})
+			target := existingTarget(t, []byte("old"))
+			before := takeSnapshot(t, target)
+
+			report := Install(t.Context(), allowing(t, target), request(srv.URL, sum, target))
+			if tt.want == "" {
+				assertSuccess(t, report, 7)
+				assertContent(t, target, img)
+				return
+			}
+			assertError(t, report, 7, "downloading", tt.want)
+			assertUntouched(t, target, before)
+		})
+	}
 }
 
 func TestInstallEmptyImage(t *testing.T) {
@@ -739,5 +783,211 @@ func TestInstallErrorIsSendable(t *testing.T) {
 	}
 	if _, err := proto.Marshal(report); err != nil {
 		t.Errorf("the report cannot be encoded: %v", err)
+	}
+}
+
+// TestInstallStagesInWorkDir checks that the image is staged in
+// Config.WorkDir, which the operator chose for its room, while it
+// downloads.
+func TestInstallStagesInWorkDir(t *testing.T) {
+	img, sum := testImage(t)
+	target := existingTarget(t, nil)
+	cfg := allowing(t, target)
+	var staged atomic.Int64
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		matches, err := filepath.Glob(filepath.Join(cfg.WorkDir, "shepherd-image-*"))
+		if err != nil {
+			t.Error(err)
+		}
+		staged.Store(int64(len(matches)))
+		serveImage(img)(w, r)
+	})
+
+	assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
+	if got := staged.Load(); got != 1 {
+		t.Errorf("during the download WorkDir %s held %d staging files, want 1", cfg.WorkDir, got)
+	}
+}
+
+// TestInstallLogsNoWarningOnSuccess: a successful installation leaves no
+// warning in the agent's log, where an operator would look for trouble.
+func TestInstallLogsNoWarningOnSuccess(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	target := existingTarget(t, nil)
+	cfg := allowing(t, target)
+	var logs bytes.Buffer // written only by Install, which returns before it is read
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+
+	assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
+	if strings.Contains(logs.String(), "level=WARN") || strings.Contains(logs.String(), "level=ERROR") {
+		t.Errorf("a successful installation logged trouble:\n%s", logs.String())
+	}
+	if !strings.Contains(logs.String(), "installation succeeded") {
+		t.Errorf("the log does not say the installation succeeded:\n%s", logs.String())
+	}
+}
+
+// TestInstallRefusesTargetChangedDuringDownload: the file written must be
+// the one checked. A target replaced while the image downloads (or created
+// by someone else, where there was none) is not written, and the error
+// says so.
+func TestInstallRefusesTargetChangedDuringDownload(t *testing.T) {
+	img, sum := testImage(t)
+	for _, tt := range []struct {
+		name   string
+		before []byte // nil: no target before the installation
+		want   string
+	}{
+		{"replaced", []byte("the checked file"), "it changed since it was checked"},
+		{"created", nil, "file exists"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			target := filepath.Join(t.TempDir(), "disk")
+			if tt.before != nil {
+				target = existingTarget(t, tt.before)
+			}
+			intruder := []byte("another file")
+			srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+				tmp := target + ".new"
+				if err := os.WriteFile(tmp, intruder, 0o600); err != nil {
+					t.Error(err)
+				}
+				if err := os.Rename(tmp, target); err != nil {
+					t.Error(err)
+				}
+				serveImage(img)(w, r)
+			})
+
+			report := Install(t.Context(), allowing(t, target), request(srv.URL, sum, target))
+			assertError(t, report, 7, "writing image to "+target, tt.want)
+			assertContent(t, target, intruder)
+		})
+	}
+}
+
+// panicTransport is an http.RoundTripper that panics.
+type panicTransport struct{}
+
+func (panicTransport) RoundTrip(*http.Request) (*http.Response, error) { panic("transport broke") }
+
+// TestInstallReportsPanic: Install never panics; a panic while installing
+// becomes an error report for the request's generation, which the agent
+// can send like any other.
+func TestInstallReportsPanic(t *testing.T) {
+	_, sum := testImage(t)
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+	cfg := allowing(t, target)
+	cfg.HTTPClient = &http.Client{Transport: panicTransport{}}
+
+	report := Install(t.Context(), cfg, request("http://images.example/os.img", sum, target))
+	assertError(t, report, 7, "internal error: transport broke")
+	assertUntouched(t, target, before)
+}
+
+// TestInstallDefaultWorkDir: without Config.WorkDir the image is staged in
+// the system's temporary directory ($TMPDIR), and removed afterwards.
+func TestInstallDefaultWorkDir(t *testing.T) {
+	img, sum := testImage(t)
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
+	target := existingTarget(t, nil)
+	var staged atomic.Int64
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		matches, err := filepath.Glob(filepath.Join(tmp, "shepherd-image-*"))
+		if err != nil {
+			t.Error(err)
+		}
+		staged.Store(int64(len(matches)))
+		serveImage(img)(w, r)
+	})
+
+	cfg := Config{FileTargetDirs: []string{filepath.Dir(target)}, Logger: testLogger(t)}
+	assertSuccess(t, Install(t.Context(), cfg, request(srv.URL, sum, target)), 7)
+	if got := staged.Load(); got != 1 {
+		t.Errorf("during the download $TMPDIR held %d staging files, want 1", got)
+	}
+	assertEmptyDir(t, tmp)
+}
+
+// TestInstallStagingCorrupted: a staging directory that does not give back
+// what was written to it (a failing disk; here the staged file is changed
+// behind the download's back) must not get a corrupted image onto the
+// target, though the bytes received had the right digest.
+func TestInstallStagingCorrupted(t *testing.T) {
+	img, sum := testImage(t)
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+	cfg := allowing(t, target)
+	half := len(img) / 2
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(img)))
+		if _, err := w.Write(img[:half]); err != nil {
+			return
+		}
+		w.(http.Flusher).Flush()
+		// Once the first half is staged, change its first byte.
+		ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+		defer cancel()
+		for {
+			matches, _ := filepath.Glob(filepath.Join(cfg.WorkDir, "shepherd-image-*"))
+			if len(matches) == 1 {
+				if fi, err := os.Stat(matches[0]); err == nil && fi.Size() >= int64(half) {
+					f, err := os.OpenFile(matches[0], os.O_WRONLY, 0)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					_, err = f.WriteAt([]byte{img[0] ^ 0xff}, 0)
+					f.Close()
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					break
+				}
+			}
+			select {
+			case <-ctx.Done():
+				t.Error("the first half of the image was never staged")
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+		_, _ = w.Write(img[half:])
+	})
+
+	report := Install(t.Context(), cfg, request(srv.URL, sum, target))
+	assertError(t, report, 7, "staging file", "does not hold the downloaded image: checksum mismatch")
+	assertUntouched(t, target, before)
+}
+
+// TestInstallDownloadCutShort: an image server that cuts the download
+// short fails the installation with an error naming the URL and how far it
+// got, and the target is untouched.
+func TestInstallDownloadCutShort(t *testing.T) {
+	img, sum := testImage(t)
+	cut := newServer(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(img)))
+		_, _ = w.Write(img[:1000])
+		w.(http.Flusher).Flush()
+		conn, _, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		conn.Close()
+	})
+	target := existingTarget(t, []byte("old"))
+	before := takeSnapshot(t, target)
+	report := Install(t.Context(), allowing(t, target), request(cut.URL, sum, target))
+	assertError(t, report, 7, "downloading "+cut.URL+": reading the body after 1000 bytes: unexpected EOF")
+	assertUntouched(t, target, before)
+}
+
+func TestCheckRequestNil(t *testing.T) {
+	if err := CheckRequest(nil, RequestOptions{}); err == nil || err.Error() != "no request" {
+		t.Errorf("CheckRequest(nil) = %v, want %q", err, "no request")
 	}
 }
