@@ -3,7 +3,10 @@ package install
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"io"
 	"os"
 	"os/exec"
@@ -40,15 +43,22 @@ func run(t *testing.T, name string, args ...string) string {
 // again with the loop device).
 func loopDevice(t *testing.T, content []byte, partitions bool) string {
 	t.Helper()
+	if partitions {
+		return attachLoop(t, content, true, "--partscan")
+	}
+	return attachLoop(t, content, false)
+}
+
+// attachLoop is loopDevice with more options for losetup.
+func attachLoop(t *testing.T, content []byte, partitions bool, options ...string) string {
+	t.Helper()
 	backing := filepath.Join(t.TempDir(), "backing.img")
 	if err := os.WriteFile(backing, content, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"--find", "--show"}
-	if partitions {
-		args = append(args, "--partscan")
-	}
-	dev := run(t, "losetup", append(args, backing)...)
+	args := append([]string{"--find", "--show"}, options...)
+	out := run(t, "losetup", append(args, backing)...)
+	dev := out[strings.LastIndex(out, "\n")+1:] // after any warning (a file smaller than a sector)
 	t.Cleanup(func() {
 		if out, err := exec.Command("losetup", "--detach", dev).CombinedOutput(); err != nil {
 			t.Errorf("detaching %s: %v\n%s", dev, err, out)
@@ -109,6 +119,32 @@ func TestInstallToBlockDevice(t *testing.T) {
 				t.Error("the device was written beyond the image")
 			}
 		})
+	}
+}
+
+// TestInstallReleasesDevice checks that an installation, successful or
+// not, lets go of the block device it claimed: the next installation (a
+// retry, another image) or mkfs must be able to claim it.
+func TestInstallReleasesDevice(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	dev := loopDevice(t, pattern(4<<20), false)
+	for _, tt := range []struct {
+		name, sum string
+		success   bool
+	}{
+		{"failed", strings.Repeat("0", 64), false},
+		{"succeeded", sum, true},
+	} {
+		report := Install(t.Context(), newConfig(t), request(srv.URL, tt.sum, dev))
+		if got := report.GetSuccess() != nil; got != tt.success {
+			t.Fatalf("installation that should have %s: %v", tt.name, report)
+		}
+		f, err := os.OpenFile(dev, os.O_RDWR|syscall.O_EXCL, 0)
+		if err != nil {
+			t.Fatalf("after an installation that %s, claiming %s: %v", tt.name, dev, err)
+		}
+		f.Close()
 	}
 }
 
@@ -192,6 +228,46 @@ func TestInstallRefusesImageLargerThanDevice(t *testing.T) {
 	}
 }
 
+// TestInstallImageFillingDevice checks that an image of exactly the
+// device's size is written whole: only a larger one is refused.
+func TestInstallImageFillingDevice(t *testing.T) {
+	const devSize = 1 << 20
+	img := make([]byte, devSize)
+	_, _ = rand.Read(img) // never fails
+	digest := sha256.Sum256(img)
+	srv := newServer(t, serveImage(img))
+	dev := loopDevice(t, pattern(devSize), false)
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, hex.EncodeToString(digest[:]), dev))
+	assertSuccess(t, report, 7)
+	if !bytes.Equal(readDevice(t, dev, devSize), img) {
+		t.Error("the device does not hold the image")
+	}
+}
+
+// TestInstallRefusesEmptyDevice: a block device of size 0 can hold no
+// image; it is refused before the download.
+func TestInstallRefusesEmptyDevice(t *testing.T) {
+	img, sum := testImage(t)
+	assertRefused(t, img, sum, attachLoop(t, nil, false), nil, "the device has no space (size 0)")
+}
+
+// TestInstallToReadOnlyDevice: a device that refuses writes (here attached
+// read-only) fails the installation with the write's error, naming the
+// device, and keeps what it held.
+func TestInstallToReadOnlyDevice(t *testing.T) {
+	img, sum := testImage(t)
+	srv := newServer(t, serveImage(img))
+	const devSize = 4 << 20
+	dev := attachLoop(t, pattern(devSize), false, "--read-only")
+
+	report := Install(t.Context(), newConfig(t), request(srv.URL, sum, dev))
+	assertError(t, report, 7, "writing image to "+dev)
+	if !bytes.Equal(readDevice(t, dev, devSize), pattern(devSize)) {
+		t.Error("the read-only device was written")
+	}
+}
+
 // TestCheckTargetRefusesRootDisk checks the real disk of the running
 // system's root file system (as this test sees it), and only checks it:
 // checkTarget reads the mount table and never opens a mounted device.
@@ -230,8 +306,10 @@ func TestParseMountInfo(t *testing.T) {
 	table := "26 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n" +
 		"41 26 259:0 / /mnt/with\\040space\\134x rw - ext4 /dev/loop0p1 rw\n" +
 		"short line\n" +
+		"43 26 0:41 /\n" + // no fifth field: no mount point
+		"44 26 0:42 / /five-fields\n" + // all it takes
 		"42 26 0:40 / /proc rw - proc proc rw"
-	want := []mount{{"254:0", "/"}, {"259:0", `/mnt/with space\x`}, {"0:40", "/proc"}}
+	want := []mount{{"254:0", "/"}, {"259:0", `/mnt/with space\x`}, {"0:42", "/five-fields"}, {"0:40", "/proc"}}
 	got := parseMountInfo([]byte(table))
 	if len(got) != len(want) {
 		t.Fatalf("parseMountInfo() = %v, want %v", got, want)
@@ -244,6 +322,25 @@ func TestParseMountInfo(t *testing.T) {
 	desc := describeMounts(got, map[string]string{"254:0": "", "259:0": "partition vda1"})
 	if want := "mounted at / (the running system's root file system); its partition vda1 is mounted at /mnt/with space\\x"; desc != want {
 		t.Errorf("describeMounts() = %q, want %q", desc, want)
+	}
+}
+
+// TestUnescapeOctal checks the kernel's escapes of a mount point, also
+// at its very end, and that a backslash without three octal digits after
+// it (which the kernel does not write) is kept as it is.
+func TestUnescapeOctal(t *testing.T) {
+	for _, tt := range []struct{ in, want string }{
+		{`/mnt/plain`, "/mnt/plain"},
+		{`/mnt/a\040b`, "/mnt/a b"},
+		{`/mnt/trailing\040`, "/mnt/trailing "},
+		{`/mnt/tab\011and\012newline`, "/mnt/tab\tand\nnewline"},
+		{`/mnt/short\04`, `/mnt/short\04`},
+		{`/mnt/lone\`, `/mnt/lone\`},
+		{`/mnt/not-octal\089`, `/mnt/not-octal\089`},
+	} {
+		if got := unescapeOctal(tt.in); got != tt.want {
+			t.Errorf("unescapeOctal(%q) = %q, want %q", tt.in, got, tt.want)
+		}
 	}
 }
 

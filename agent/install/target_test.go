@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -23,13 +24,15 @@ func assertNoRequest(t *testing.T, srv *server) {
 
 // assertRefused installs img to target with file targets allowed under
 // fileDirs, and checks that the target was refused before the download
-// with an error naming it and mentioning each of wants.
-func assertRefused(t *testing.T, img []byte, sum, target string, fileDirs []string, wants ...string) {
+// with an error naming it and mentioning each of wants. It returns the
+// error message.
+func assertRefused(t *testing.T, img []byte, sum, target string, fileDirs []string, wants ...string) string {
 	t.Helper()
 	srv := newServer(t, serveImage(img))
 	report := Install(t.Context(), newConfig(t, fileDirs...), request(srv.URL, sum, target))
-	assertError(t, report, 7, append([]string{"checking target " + target}, wants...)...)
+	msg := assertError(t, report, 7, append([]string{"checking target " + target}, wants...)...)
 	assertNoRequest(t, srv)
+	return msg
 }
 
 // refusal is a case of a target to refuse: what to install to, where
@@ -84,6 +87,13 @@ func TestInstallRefusesMissingTarget(t *testing.T) {
 			}
 		})
 	}
+
+	// An agent that writes no files says nothing about files: a mistyped
+	// device is all there is to it.
+	msg := assertRefused(t, img, sum, devTypo, nil)
+	if want := "checking target " + devTypo + ": it does not exist; a target must be an existing block device, and the agent never creates one"; msg != want {
+		t.Errorf("error message %q, want %q", msg, want)
+	}
 }
 
 // TestInstallRefusesFileOutsideAllowedDirs checks that an existing regular
@@ -130,6 +140,13 @@ func TestInstallRefusesNonBlockTargets(t *testing.T) {
 	if err := os.Symlink(os.DevNull, devNullLink); err != nil {
 		t.Fatal(err)
 	}
+	socket := filepath.Join(allowed, "socket")
+	ln, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	file := existingTarget(t, []byte("a file, not a directory"))
 
 	tests := []struct {
 		name, target, want string
@@ -138,6 +155,8 @@ func TestInstallRefusesNonBlockTargets(t *testing.T) {
 		{"character device", os.DevNull, "it is a character device, not a block device"},
 		{"symlink to a character device", devNullLink, "(-> " + os.DevNull + "): it is a character device"},
 		{"named pipe", fifo, "it is a named pipe, not a block device"},
+		{"socket", socket, "it is a socket, not a block device"},
+		{"path through a file", filepath.Join(file, "disk"), "resolving it: not a directory"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
