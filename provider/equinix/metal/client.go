@@ -477,6 +477,14 @@ func (c *Client) observe(r *request, status string, start time.Time) {
 	c.metrics.duration.WithLabelValues(r.endpoint).Observe(time.Since(start).Seconds())
 }
 
+// An error answer's messages end up in logs, errors and history causes, so
+// they are bounded: at most maxMessages of them, each at most maxExcerpt
+// bytes (then "..."), and a count of those left out.
+const (
+	maxMessages = 5
+	maxExcerpt  = 200
+)
+
 // messages extracts the API's error messages from an error body, or a
 // short excerpt of a body that is not the API's JSON (a proxy's HTML
 // page), scrubbed of the token in case a server echoes it.
@@ -492,17 +500,21 @@ func (c *Client) messages(body []byte) []string {
 			msgs = append(msgs, e.Error)
 		}
 	} else if s := strings.TrimSpace(string(body)); s != "" {
-		s = c.token.scrub(s) // before cutting, which could leave a part of the token
-		const maxExcerpt = 200
-		if len(s) > maxExcerpt {
-			s = strings.ToValidUTF8(s[:maxExcerpt], "") + "..."
-		}
-		return []string{s}
+		msgs = []string{s}
 	}
+	var out []string
 	for i, m := range msgs {
-		msgs[i] = c.token.scrub(m)
+		if i == maxMessages {
+			out = append(out, fmt.Sprintf("(%d more)", len(msgs)-maxMessages))
+			break
+		}
+		m = c.token.scrub(m) // before cutting, which could leave a part of the token
+		if len(m) > maxExcerpt {
+			m = strings.ToValidUTF8(m[:maxExcerpt], "") + "..."
+		}
+		out = append(out, m)
 	}
-	return msgs
+	return out
 }
 
 // rateLimitWait is how long a 429 answer asks us to wait: the later of

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -593,5 +594,42 @@ func TestUnsentRequestIsRetried(t *testing.T) {
 	if got := metricValue(t, reg, "shepherd_metal_requests_total",
 		map[string]string{"endpoint": epProjectSSHKeys, "method": "POST", "status": statusError}); got < 2 {
 		t.Errorf("requests_total{POST, error} = %v, want several attempts", got)
+	}
+}
+
+// An error answer's messages reach logs, errors and history causes: a
+// server that sends thousands of them, or one of megabytes, must not make an
+// error of that size. At most maxMessages are kept, each cut to an excerpt,
+// and the error says how many were left out.
+func TestErrorMessagesBounded(t *testing.T) {
+	t.Parallel()
+	f := newFake(t)
+	msgs := make([]string, 1000)
+	for i := range msgs {
+		msgs[i] = fmt.Sprintf("message %d %s", i, strings.Repeat("é", 5000))
+	}
+	f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+		writeJSON(w, http.StatusBadRequest, errorBody(msgs...))
+		return true
+	})
+	c, _ := newTestClient(t, f.baseURL(), nil)
+	_, err := c.GetDevice(t.Context(), "d1")
+	var ae *APIError
+	if !errors.As(err, &ae) {
+		t.Fatalf("GetDevice: %v, want an *APIError", err)
+	}
+	if len(ae.Messages) != maxMessages+1 {
+		t.Fatalf("%d messages kept, want %d and a count of the rest", len(ae.Messages), maxMessages+1)
+	}
+	for i, m := range ae.Messages[:maxMessages] {
+		if !strings.HasPrefix(m, fmt.Sprintf("message %d ", i)) || len(m) > maxExcerpt+len("...") || !utf8.ValidString(m) {
+			t.Errorf("message %d: %d bytes, valid UTF-8 %v: %.40q", i, len(m), utf8.ValidString(m), m)
+		}
+	}
+	if last, want := ae.Messages[maxMessages], fmt.Sprintf("(%d more)", len(msgs)-maxMessages); last != want {
+		t.Errorf("last message %q, want %q", last, want)
+	}
+	if n := len(err.Error()); n > 2000 {
+		t.Errorf("error of %d bytes", n)
 	}
 }

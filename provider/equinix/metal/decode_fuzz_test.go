@@ -234,6 +234,14 @@ func FuzzDecodeError(f *testing.F) {
 				t.Fatalf("error carries the token: %s", s)
 			}
 		}
+		if len(ae.Messages) > maxMessages+1 {
+			t.Fatalf("%d messages kept, want at most %d", len(ae.Messages), maxMessages+1)
+		}
+		for _, m := range ae.Messages {
+			if len(m) > maxExcerpt+len("...") {
+				t.Fatalf("a message of %d bytes, want at most %d", len(m), maxExcerpt+len("..."))
+			}
+		}
 		if len(a.reqs) != 1 {
 			t.Fatalf("%d requests, want 1: a %d is final", len(a.reqs), status)
 		}
