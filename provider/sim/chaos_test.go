@@ -402,15 +402,15 @@ func TestProviderRebootFaults(t *testing.T) {
 	if err := f.SetRebootFault(id, sim.RebootHangs); err != nil {
 		t.Fatal(err)
 	}
-	const wait = 200 * time.Millisecond
-	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
 	defer cancel()
-	start := time.Now()
 	if err := f.RebootMachine(ctx, id); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("reboot with RebootHangs: %v, want DeadlineExceeded", err)
 	}
-	if d := time.Since(start); d < wait {
-		t.Errorf("the hung reboot returned after %s, before its context ended (%s)", d, wait)
+	// The order of events, not a duration (the clock ran before the call
+	// began): the hung reboot returns once its context has ended.
+	if ctx.Err() == nil {
+		t.Error("the hung reboot returned before its context ended")
 	}
 	if _, n := f.Rebooted(id); n != 0 || len(rec.reboots()) != 0 {
 		t.Errorf("%d reboots and %d Rebooted calls after failed and hung reboots, want none", n, len(rec.reboots()))
