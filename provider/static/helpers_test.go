@@ -22,6 +22,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 func TestMain(m *testing.M) {
@@ -226,27 +228,10 @@ func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool)
 // metricValue returns the value of the single series named name in reg.
 func metricValue(t testing.TB, reg prometheus.Gatherer, name string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
+	if n := metricstest.Series(t, reg, name); n != 1 {
+		t.Fatalf("metric %s has %d series, want 1", name, n)
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		if len(mf.GetMetric()) != 1 {
-			t.Fatalf("metric %s has %d series, want 1", name, len(mf.GetMetric()))
-		}
-		m := mf.GetMetric()[0]
-		switch {
-		case m.GetGauge() != nil:
-			return m.GetGauge().GetValue()
-		case m.GetCounter() != nil:
-			return m.GetCounter().GetValue()
-		}
-	}
-	t.Fatalf("metric %s not found", name)
-	return 0
+	return metricstest.Value(t, reg, name)
 }
 
 // runProvider runs p's poller until the test ends.
