@@ -93,6 +93,17 @@ type tally struct {
 	Used map[string]bool
 }
 
+// add counts o's mutants into t (the parts of one package); survivors and
+// used equivalents stay with each part, which reports them itself.
+func (t *tally) add(o tally) {
+	t.Killed += o.Killed
+	t.Lived += o.Lived
+	t.Equivalent += o.Equivalent
+	t.NotCovered += o.NotCovered
+	t.TimedOut += o.TimedOut
+	t.NotViable += o.NotViable
+}
+
 // Efficacy is the percentage of mutants that can change behaviour and were
 // killed: equivalent mutants are left out of the denominator, as are mutants
 // that timed out (gremlins counts them neither way).

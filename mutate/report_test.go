@@ -135,6 +135,27 @@ func TestChosenKeepsTheScopeOfKnownPackages(t *testing.T) {
 	if all := chosen(nil); len(all) != len(targets) {
 		t.Fatalf("no package named chose %d targets, want all %d", len(all), len(targets))
 	}
+	parts := chosen([]string{"manager"})
+	if len(parts) < 2 {
+		t.Fatalf("chosen(manager) = %+v, want its parts", parts)
+	}
+	for _, p := range parts {
+		if p.dir != "manager" || len(p.only) == 0 || p.run == "" {
+			t.Errorf("a part of manager: %+v, want files and the tests that judge them", p)
+		}
+	}
+}
+
+// The parts of a package add up to its figure.
+func TestTallyAdd(t *testing.T) {
+	var sum tally
+	sum.add(tally{Killed: 1, Lived: 2, Equivalent: 1, NotCovered: 3, TimedOut: 4, NotViable: 5})
+	sum.add(tally{Killed: 10, Lived: 20, Equivalent: 10, NotCovered: 30, TimedOut: 40, NotViable: 50})
+	want := tally{Killed: 11, Lived: 22, Equivalent: 11, NotCovered: 33, TimedOut: 44, NotViable: 55}
+	if sum.Killed != want.Killed || sum.Lived != want.Lived || sum.Equivalent != want.Equivalent ||
+		sum.NotCovered != want.NotCovered || sum.TimedOut != want.TimedOut || sum.NotViable != want.NotViable {
+		t.Errorf("sum %+v, want %+v", sum, want)
+	}
 }
 
 func TestConfigCheck(t *testing.T) {

@@ -58,3 +58,45 @@ func TestTargetsNameExistingTestsAndFiles(t *testing.T) {
 		}
 	}
 }
+
+// The parts of a package mutate each of its files once: no file in two
+// parts (its mutants would count twice), and none left out when a package
+// is split (its mutants would go unjudged). A package of one part may
+// limit itself to some files, as bmdb does.
+func TestPartsCoverTheirPackageOnce(t *testing.T) {
+	parts := map[string][]target{}
+	for _, tg := range targets {
+		parts[tg.dir] = append(parts[tg.dir], tg)
+	}
+	for dir, ps := range parts {
+		if len(ps) < 2 {
+			continue
+		}
+		in := map[string]int{}
+		for _, p := range ps {
+			if len(p.only) == 0 {
+				t.Errorf("package %s: a part without files would mutate the whole package again", dir)
+			}
+			for _, f := range p.only {
+				in[f]++
+			}
+		}
+		names, err := filepath.Glob(filepath.Join("..", filepath.FromSlash(dir), "*.go"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range names {
+			base := filepath.Base(n)
+			if strings.HasSuffix(base, "_test.go") {
+				continue
+			}
+			if in[base] != 1 {
+				t.Errorf("package %s: file %s is in %d parts, want 1", dir, base, in[base])
+			}
+			delete(in, base)
+		}
+		for f := range in {
+			t.Errorf("package %s: a part names %s, which the package does not have", dir, f)
+		}
+	}
+}
