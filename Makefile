@@ -83,7 +83,7 @@ chaos: require-postgres require-sshd
 # fails when a mutant lives that mutate/equivalent.txt does not explain.
 # Too slow for `make test`: run it when changing one of those packages.
 mutate: require-postgres require-sshd $(GREMLINS)
-	SHEPHERD_REQUIRE_SSHD=1 $(GO) run ./mutate -gremlins $(GREMLINS) $(if $(DIFF),-diff $(DIFF)) $(PKG)
+	SHEPHERD_REQUIRE_SSHD=1 $(GO) run ./mutate -gremlins $(GREMLINS) $(if $(DIFF),-diff $(DIFF)) $(if $(FILES),-files $(FILES)) $(PKG)
 
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \

@@ -88,7 +88,10 @@ type config struct {
 	workers     int
 	coefficient int
 	equivalents string
-	pkgs        []string
+	// files, when set, limits mutation to these files of the chosen
+	// packages (and a package in parts to the parts that hold them).
+	files []string
+	pkgs  []string
 }
 
 func main() {
@@ -98,7 +101,11 @@ func main() {
 	flag.IntVar(&c.workers, "workers", 1, "mutants tested at once (each runs a package's tests)")
 	flag.IntVar(&c.coefficient, "timeout-coefficient", 8, "a mutant's tests time out after this many times the unmutated run")
 	flag.StringVar(&c.equivalents, "equivalents", "mutate/equivalent.txt", "the list of mutants that change no behaviour")
+	files := flag.String("files", "", "comma-separated file names: mutate only these files of the chosen packages")
 	flag.Parse()
+	if *files != "" {
+		c.files = strings.Split(*files, ",")
+	}
 	c.pkgs = flag.Args()
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -148,6 +155,31 @@ func chosen(pkgs []string) []target {
 	return out
 }
 
+// only limits targets to files (names within their package): a target in
+// parts keeps the parts that hold one of them, each limited to those; a
+// whole package is limited to them. No files: targets as they are. A run
+// on some files, like one on a diff, mutates too little for its figure to
+// be the package's.
+func only(targets []target, files []string) []target {
+	if len(files) == 0 {
+		return targets
+	}
+	var out []target
+	for _, t := range targets {
+		var keep []string
+		for _, f := range files {
+			if len(t.only) == 0 || slices.Contains(t.only, f) {
+				keep = append(keep, f)
+			}
+		}
+		if len(keep) > 0 {
+			t.only = keep
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
 // run mutates each chosen package and reports; ok is false when a mutant
 // lives unexplained or the equivalent list is stale.
 func run(ctx context.Context, c config, w io.Writer) (ok bool, err error) {
@@ -177,7 +209,7 @@ func run(ctx context.Context, c config, w io.Writer) (ok bool, err error) {
 	// packages first appear.
 	var dirs []string
 	sums := map[string]*tally{}
-	for i, t := range chosen(c.pkgs) {
+	for i, t := range only(chosen(c.pkgs), c.files) {
 		out := filepath.Join(tmp, fmt.Sprintf("%s-%d.json", strings.ReplaceAll(t.dir, "/", "_"), i))
 		if err := unleash(ctx, c, t, out, w); err != nil {
 			return false, fmt.Errorf("mutating %s: %w", t.dir, err)

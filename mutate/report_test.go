@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -167,5 +168,26 @@ func TestConfigCheck(t *testing.T) {
 		if c.check() == nil {
 			t.Errorf("%+v passed the check", c)
 		}
+	}
+}
+
+// -files keeps the parts that hold the files, each limited to them, and
+// limits a whole package to them.
+func TestOnlyLimitsToFiles(t *testing.T) {
+	ts := []target{
+		{dir: "manager", only: []string{"loop.go", "limit.go"}, run: "^TestRunner"},
+		{dir: "manager", only: []string{"updater.go"}, run: "^TestUpdater"},
+		{dir: "server"},
+	}
+	got := only(ts, []string{"limit.go", "handler.go"})
+	if len(got) != 2 || got[0].run != "^TestRunner" || !slices.Equal(got[0].only, []string{"limit.go"}) ||
+		got[1].dir != "server" || !slices.Equal(got[1].only, []string{"limit.go", "handler.go"}) {
+		t.Errorf("only = %+v", got)
+	}
+	if !slices.Equal(ts[0].only, []string{"loop.go", "limit.go"}) {
+		t.Errorf("only changed the table: %+v", ts[0])
+	}
+	if got := only(ts, nil); len(got) != 3 {
+		t.Errorf("no files: %+v, want every target", got)
 	}
 }
