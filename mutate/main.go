@@ -160,16 +160,21 @@ func chosen(pkgs []string) []target {
 // whole package is limited to them. No files: targets as they are. A run
 // on some files, like one on a diff, mutates too little for its figure to
 // be the package's.
-func only(targets []target, files []string) []target {
+//
+// A file that no chosen package has is an error: gremlins would mutate
+// nothing and the run would report a perfect figure for it.
+func only(targets []target, files []string, exists func(path string) bool) ([]target, error) {
 	if len(files) == 0 {
-		return targets
+		return targets, nil
 	}
 	var out []target
+	found := map[string]bool{}
 	for _, t := range targets {
 		var keep []string
 		for _, f := range files {
-			if len(t.only) == 0 || slices.Contains(t.only, f) {
+			if (len(t.only) == 0 || slices.Contains(t.only, f)) && exists(path.Join(t.dir, f)) {
 				keep = append(keep, f)
+				found[f] = true
 			}
 		}
 		if len(keep) > 0 {
@@ -177,7 +182,28 @@ func only(targets []target, files []string) []target {
 			out = append(out, t)
 		}
 	}
-	return out
+	var missing []string
+	for _, f := range files {
+		if !found[f] {
+			missing = append(missing, f)
+		}
+	}
+	if len(missing) > 0 {
+		var dirs []string
+		for _, t := range targets {
+			if !slices.Contains(dirs, t.dir) {
+				dirs = append(dirs, t.dir)
+			}
+		}
+		return nil, fmt.Errorf("-files: %s: no such file in %s", strings.Join(missing, ", "), strings.Join(dirs, ", "))
+	}
+	return out, nil
+}
+
+// fileExists says whether the file at path (from the repository root) exists.
+func fileExists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
 }
 
 // run mutates each chosen package and reports; ok is false when a mutant
@@ -204,12 +230,16 @@ func run(ctx context.Context, c config, w io.Writer) (ok bool, err error) {
 	}
 	defer os.RemoveAll(tmp)
 
+	chosenTargets, err := only(chosen(c.pkgs), c.files, fileExists)
+	if err != nil {
+		return false, err
+	}
 	ok = true
 	// The parts of a package add up to its one figure, in the order the
 	// packages first appear.
 	var dirs []string
 	sums := map[string]*tally{}
-	for i, t := range only(chosen(c.pkgs), c.files) {
+	for i, t := range chosenTargets {
 		out := filepath.Join(tmp, fmt.Sprintf("%s-%d.json", strings.ReplaceAll(t.dir, "/", "_"), i))
 		if err := unleash(ctx, c, t, out, w); err != nil {
 			return false, fmt.Errorf("mutating %s: %w", t.dir, err)

@@ -172,22 +172,32 @@ func TestConfigCheck(t *testing.T) {
 }
 
 // -files keeps the parts that hold the files, each limited to them, and
-// limits a whole package to them.
+// limits a whole package to them; a file no chosen package has is an error
+// that names it, not a run that mutates nothing.
 func TestOnlyLimitsToFiles(t *testing.T) {
 	ts := []target{
 		{dir: "manager", only: []string{"loop.go", "limit.go"}, run: "^TestRunner"},
 		{dir: "manager", only: []string{"updater.go"}, run: "^TestUpdater"},
 		{dir: "server"},
 	}
-	got := only(ts, []string{"limit.go", "handler.go"})
-	if len(got) != 2 || got[0].run != "^TestRunner" || !slices.Equal(got[0].only, []string{"limit.go"}) ||
-		got[1].dir != "server" || !slices.Equal(got[1].only, []string{"limit.go", "handler.go"}) {
-		t.Errorf("only = %+v", got)
+	have := map[string]bool{"manager/loop.go": true, "manager/limit.go": true, "manager/updater.go": true, "server/handler.go": true}
+	exists := func(p string) bool { return have[p] }
+	got, err := only(ts, []string{"limit.go", "handler.go"}, exists)
+	if err != nil || len(got) != 2 || got[0].run != "^TestRunner" || !slices.Equal(got[0].only, []string{"limit.go"}) ||
+		got[1].dir != "server" || !slices.Equal(got[1].only, []string{"handler.go"}) {
+		t.Errorf("only = %+v, %v", got, err)
 	}
 	if !slices.Equal(ts[0].only, []string{"loop.go", "limit.go"}) {
 		t.Errorf("only changed the table: %+v", ts[0])
 	}
-	if got := only(ts, nil); len(got) != 3 {
-		t.Errorf("no files: %+v, want every target", got)
+	if got, err := only(ts, nil, exists); err != nil || len(got) != 3 {
+		t.Errorf("no files: %+v, %v; want every target", got, err)
+	}
+	_, err = only(ts, []string{"loop.go", "lopo.go", "handlr.go"}, exists)
+	if want := "-files: lopo.go, handlr.go: no such file in manager, server"; err == nil || err.Error() != want {
+		t.Errorf("misspelt files: %v, want %q", err, want)
+	}
+	if !fileExists("main.go") || fileExists("no-such-file.go") {
+		t.Error("fileExists is wrong about this package's own files")
 	}
 }
