@@ -87,16 +87,24 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 		return nil, err
 	}
 	addr := g.h.Addr
-	if addr.Port() == 0 {
-		// Not port 0: restarts reuse the port, which must not be one an
-		// outgoing connection can take meanwhile (see freePort).
-		port, err := freePort()
-		if err != nil {
-			return nil, err
+	choosePort := addr.Port() == 0
+	var ln net.Listener
+	for attempt := 1; ; attempt++ {
+		if choosePort {
+			// Not port 0: restarts reuse the port, which must not be one an
+			// outgoing connection can take meanwhile (see freePort). Another
+			// test may bind the port first, so a taken one is retried.
+			port, err := freePort()
+			if err != nil {
+				return nil, err
+			}
+			addr = netip.AddrPortFrom(loopback, port)
 		}
-		addr = netip.AddrPortFrom(loopback, port)
+		ln, err = net.Listen("tcp", addr.String())
+		if err == nil || !choosePort || !errors.Is(err, syscall.EADDRINUSE) || attempt >= portAttempts {
+			break
+		}
 	}
-	ln, err := net.Listen("tcp", addr.String())
 	if err != nil {
 		return nil, fmt.Errorf("listening on %s: %w", addr, err)
 	}

@@ -365,6 +365,43 @@ func (s *sshdServer) killLeftovers() error {
 	}
 }
 
+// settle waits until sshd has no connection left before authentication, so
+// that what those connections log is in the log; it gives up quietly after
+// stopTimeout, leaving the caller to read what is there.
+//
+// sshd logs a connection's authentication from the connection's monitor
+// process ("sshd: USER [priv]", which no longer carries -f CONFIG), relaying
+// what its unprivileged child reports; the client may have its answer before
+// the line is written. The listener counts connections not yet
+// authenticated in its title ("[listener] 1 of 10-100 startups"), and a
+// connection leaves that count once its monitor has finished or logged the
+// user in, which is the moment to read.
+func (s *sshdServer) settle() {
+	p := s.proc
+	if p == nil {
+		return
+	}
+	title := filepath.Join("/proc", strconv.Itoa(p.cmd.Process.Pid), "cmdline")
+	deadline := time.Now().Add(stopTimeout)
+	tick := time.NewTicker(pollInterval)
+	defer tick.Stop()
+	for time.Now().Before(deadline) {
+		cmdline, err := os.ReadFile(title)
+		if err != nil {
+			return // sshd has exited
+		}
+		m := startupsRE.FindSubmatch(cmdline)
+		if m == nil || string(m[1]) == "0" {
+			return // no count in the title (an older sshd), or none pending
+		}
+		<-tick.C
+	}
+}
+
+// startupsRE reads the number of unauthenticated connections from sshd's
+// listener title.
+var startupsRE = regexp.MustCompile(`\[listener\] (\d+) of `)
+
 // leftovers returns the pids of live processes running sshd with this
 // Host's configuration file.
 func (s *sshdServer) leftovers() []int {

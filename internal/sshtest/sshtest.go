@@ -447,7 +447,15 @@ func (h *Host) hostKeyPEM(i int) ([]byte, error) {
 
 // PasswordAttempts counts the password logins the server has seen, good or
 // bad, from its log: a test asks it whether a client sent a password.
+//
+// sshd writes "Failed password" from the connection's monitor process, which
+// may still be writing when the client has already seen the refusal; so the
+// count waits (up to stopTimeout) until sshd holds no connection still being
+// authenticated, and then reads the log.
 func (h *Host) PasswordAttempts() int {
+	if h.sshd != nil {
+		h.sshd.settle()
+	}
 	data, err := os.ReadFile(h.LogPath())
 	if err != nil {
 		return 0
