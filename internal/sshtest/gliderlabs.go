@@ -86,25 +86,17 @@ func (g *glServer) listen() (<-chan struct{}, error) {
 	if err != nil {
 		return nil, err
 	}
-	addr := g.h.Addr
-	choosePort := addr.Port() == 0
+	// Not port 0 when choosing: restarts reuse the port, which must not be
+	// one an outgoing connection can take meanwhile (see freePort).
 	var ln net.Listener
-	for attempt := 1; ; attempt++ {
-		if choosePort {
-			// Not port 0: restarts reuse the port, which must not be one an
-			// outgoing connection can take meanwhile (see freePort). Another
-			// test may bind the port first, so a taken one is retried.
-			port, err := freePort()
-			if err != nil {
-				return nil, err
-			}
-			addr = netip.AddrPortFrom(loopback, port)
-		}
+	addr, err := onFreePort(g.h.Addr, func(addr netip.AddrPort) error {
+		var err error
 		ln, err = net.Listen("tcp", addr.String())
-		if err == nil || !choosePort || !errors.Is(err, syscall.EADDRINUSE) || attempt >= portAttempts {
-			break
+		if errors.Is(err, syscall.EADDRINUSE) {
+			err = fmt.Errorf("%w: %w", errAddrInUse, err)
 		}
-	}
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("listening on %s: %w", addr, err)
 	}

@@ -18,10 +18,6 @@ import (
 	"golang.org/x/crypto/ssh"
 )
 
-// errAddrInUse marks an sshd start that failed because its port was taken,
-// the one failure Start retries with another port.
-var errAddrInUse = errors.New("port already in use")
-
 // sshdOptions are what this sshd's version needs in its configuration.
 type sshdOptions struct {
 	// noPenalties disables PerSourcePenalties (OpenSSH 9.8+), which would
@@ -105,21 +101,11 @@ func (s *sshdServer) start(ctx context.Context) error {
 	if err := writeFileAtomic(s.akPath, ak, 0o600); err != nil {
 		return err
 	}
-	choosePort := s.h.Addr.Port() == 0
-	for attempt := 1; ; attempt++ {
-		if choosePort {
-			port, err := freePort()
-			if err != nil {
-				return err
-			}
-			s.h.Addr = netip.AddrPortFrom(loopback, port)
-		}
-		err := s.startOnce(ctx)
-		if choosePort && errors.Is(err, errAddrInUse) && attempt < portAttempts {
-			continue
-		}
-		return err
-	}
+	_, err := onFreePort(s.h.Addr, func(addr netip.AddrPort) error {
+		s.h.Addr = addr
+		return s.startOnce(ctx)
+	})
+	return err
 }
 
 // startOnce validates the configuration for the Host's address and starts

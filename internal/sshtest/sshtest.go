@@ -574,6 +574,32 @@ func freePort() (uint16, error) {
 	return uint16(port), err
 }
 
+// errAddrInUse marks a server start that failed because its port was taken,
+// the one failure onFreePort retries with another port.
+var errAddrInUse = errors.New("port already in use")
+
+// onFreePort starts a server with start on addr or, when addr has no port
+// yet, on a free port, choosing another while start reports errAddrInUse
+// (another test bound the port first), up to portAttempts times. It returns
+// the address start last tried.
+func onFreePort(addr netip.AddrPort, start func(netip.AddrPort) error) (netip.AddrPort, error) {
+	choosePort := addr.Port() == 0
+	for attempt := 1; ; attempt++ {
+		if choosePort {
+			port, err := freePort()
+			if err != nil {
+				return addr, err
+			}
+			addr = netip.AddrPortFrom(loopback, port)
+		}
+		err := start(addr)
+		if choosePort && errors.Is(err, errAddrInUse) && attempt < portAttempts {
+			continue
+		}
+		return addr, err
+	}
+}
+
 // loopback is the address every server listens on.
 var loopback = netip.AddrFrom4([4]byte{127, 0, 0, 1})
 

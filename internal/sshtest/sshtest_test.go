@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -865,4 +866,33 @@ func TestProxySilence(t *testing.T) {
 			t.Error("a login through the silent proxy succeeded")
 		}
 	})
+}
+
+// TestOnFreePortRetriesTakenPorts checks that a start that finds its chosen
+// port taken is tried again on another, a bounded number of times, and that
+// a fixed port (a restart) is never swapped for another.
+func TestOnFreePortRetriesTakenPorts(t *testing.T) {
+	var tried []netip.AddrPort
+	taken := func(n int) func(netip.AddrPort) error {
+		return func(a netip.AddrPort) error {
+			tried = append(tried, a)
+			if len(tried) <= n {
+				return fmt.Errorf("%w: bind", errAddrInUse)
+			}
+			return nil
+		}
+	}
+	addr, err := onFreePort(netip.AddrPort{}, taken(2))
+	if err != nil || len(tried) != 3 || addr != tried[2] || addr.Port() == 0 {
+		t.Errorf("two taken ports: %v after %v (returned %v); want success on the third", err, tried, addr)
+	}
+	tried = nil
+	if _, err := onFreePort(netip.AddrPort{}, taken(portAttempts)); !errors.Is(err, errAddrInUse) || len(tried) != portAttempts {
+		t.Errorf("every port taken: %v after %d tries; want errAddrInUse after %d", err, len(tried), portAttempts)
+	}
+	tried = nil
+	fixed := netip.AddrPortFrom(loopback, 2222)
+	if _, err := onFreePort(fixed, taken(1)); !errors.Is(err, errAddrInUse) || len(tried) != 1 || tried[0] != fixed {
+		t.Errorf("a fixed port taken: %v after %v; want errAddrInUse after one try of %v", err, tried, fixed)
+	}
 }
