@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/netip"
 	"os"
 	"regexp"
@@ -16,6 +15,7 @@ import (
 	"go.yaml.in/yaml/v3"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/shepherd/shepherd/internal/secret"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -38,27 +38,15 @@ type inventory struct {
 // entry is everything the inventory says about one machine.
 type entry struct {
 	m             *machine
-	user          string     // the machine's or the defaults' ssh_user; "" means the caller's default
-	password      secret     // empty if none
-	signer        ssh.Signer // the machine's own key; nil if none
+	user          string        // the machine's or the defaults' ssh_user; "" means the caller's default
+	password      secret.String // empty if none
+	signer        ssh.Signer    // the machine's own key; nil if none
 	hostKey       ssh.PublicKey
 	rebootCommand string
 	// trustOnFirstUse lets password and signer go to a host whose key is
 	// neither pinned nor recorded yet.
 	trustOnFirstUse bool
 }
-
-// secret holds a password. Its String, GoString, Format and LogValue all
-// say REDACTED, so it cannot reach a log line or an error by accident.
-type secret struct{ value string }
-
-func (secret) String() string               { return "REDACTED" }
-func (secret) GoString() string             { return "REDACTED" }
-func (secret) LogValue() slog.Value         { return slog.StringValue("REDACTED") }
-func (secret) Format(f fmt.State, _ rune)   { _, _ = io.WriteString(f, "REDACTED") }
-func (s secret) empty() bool                { return s.value == "" }
-func (s secret) reveal() string             { return s.value }
-func (secret) MarshalText() ([]byte, error) { return []byte("REDACTED"), nil }
 
 // parser turns the file into an inventory, collecting every problem with
 // its line.
@@ -461,7 +449,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 		if pw == "" {
 			p.errorf(max(pwFile.line, pwEnv.line), "%sthe password from %s is empty", where, secretSource("ssh_password", pwFile, pwEnv))
 		}
-		e.password = secret{pw}
+		e.password = secret.New(pw)
 	}
 	if key, ok := p.secret(where, "ssh_key", keyFile, keyEnv); ok {
 		e.signer = p.privateKey(where, key, keyFile, keyEnv)

@@ -36,10 +36,10 @@ func (p *Provider) SSHAccess(_ context.Context, id string) (provider.SSHAccess, 
 
 // passwordAuth returns the machine's password as an SSH method, or nil.
 func (e *entry) passwordAuth() []ssh.AuthMethod {
-	if e.password.empty() {
+	if e.password.Empty() {
 		return nil
 	}
-	return []ssh.AuthMethod{ssh.Password(e.password.reveal())}
+	return []ssh.AuthMethod{ssh.Password(e.password.Reveal())}
 }
 
 // RebootMachine runs the machine's reboot command over SSH, bounded by

@@ -112,7 +112,7 @@ func TestReloadNow(t *testing.T) {
 	if err := p.Reload(); err != nil {
 		t.Fatal(err)
 	}
-	if got := p.inv.Load().byID["a"].password.reveal(); got != "new" {
+	if got := p.inv.Load().byID["a"].password.Reveal(); got != "new" {
 		t.Errorf("after Reload the password is %q, want the rotated one", got)
 	}
 	// A secret that is gone makes Reload fail and keeps the inventory.
@@ -123,7 +123,7 @@ func TestReloadNow(t *testing.T) {
 	if err == nil || !strings.HasPrefix(err.Error(), path+`:4: machine "a": ssh_password_file: open `) {
 		t.Errorf("Reload with the password file gone: %v", err)
 	}
-	if got := p.inv.Load().byID["a"].password.reveal(); got != "new" {
+	if got := p.inv.Load().byID["a"].password.Reveal(); got != "new" {
 		t.Errorf("after a failed Reload the password is %q, want the last good one", got)
 	}
 	if v, e := metricValue(t, reg, metricValid), metricValue(t, reg, metricReloadErrors); v != 0 || e != 1 {
@@ -192,7 +192,7 @@ func TestPollPicksUpRotatedSecrets(t *testing.T) {
 		t.Fatal(err)
 	}
 	runProvider(t, p)
-	password := func() string { return p.inv.Load().byID["a"].password.reveal() }
+	password := func() string { return p.inv.Load().byID["a"].password.Reveal() }
 
 	// Renamed over the old file (a new inode, the same size).
 	writeFile(t, pwFile, "pw-2-S3CR3T\n")
