@@ -18,6 +18,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/power"
 )
 
 // Availability says how the provisioner may use a machine a provider lists.
@@ -145,6 +147,24 @@ type Releaser interface {
 	ReleaseMachine(ctx context.Context, id string) error
 }
 
+// PowerController is implemented by providers whose machines can have a
+// BMC, for out-of-band power: the recovery ladder's power cycle and
+// `shepherd machine power`.
+type PowerController interface {
+	// BMC returns the controller of machine id's BMC, or an error wrapping
+	// ErrNoBMC (the machine has none) or ErrNotFound. Calls through one
+	// BMC's controller are paced, also across machines that share it.
+	BMC(ctx context.Context, id string) (BMC, error)
+}
+
+// BMC is a machine's baseboard management controller.
+type BMC struct {
+	// Name says which BMC it is, for operators: driver, user and endpoint,
+	// never a password.
+	Name string
+	*power.Controller
+}
+
 // SSHAccess says how to reach a machine's SSH server when Addr and the
 // initializer's own user and key are not enough.
 type SSHAccess struct {
@@ -211,6 +231,8 @@ var (
 	ErrNotReached = errors.New("provider: the request did not reach the machine")
 	// ErrRaceLost means someone else took the capacity a create asked for.
 	ErrRaceLost = errors.New("provider: capacity taken by someone else")
+	// ErrNoBMC means the machine has no BMC configured.
+	ErrNoBMC = errors.New("provider: machine has no BMC")
 )
 
 // RequestBudget is the request budget of a provider API account shared by

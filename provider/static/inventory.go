@@ -17,6 +17,7 @@ import (
 
 	"github.com/shepherd/shepherd/internal/secret"
 	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -43,6 +44,8 @@ type entry struct {
 	signer        ssh.Signer    // the machine's own key; nil if none
 	hostKey       ssh.PublicKey
 	rebootCommand string
+	// bmc is the machine's BMC; nil if it has none.
+	bmc *power.Spec
 	// trustOnFirstUse lets password and signer go to a host whose key is
 	// neither pinned nor recorded yet.
 	trustOnFirstUse bool
@@ -293,6 +296,7 @@ type defaultsSection struct {
 	user            string
 	rebootCommand   string
 	trustOnFirstUse bool
+	bmc             *bmcBlock // shared fields of the machines' bmc blocks
 }
 
 func (p *parser) defaults(n *yaml.Node) defaultsSection {
@@ -325,6 +329,8 @@ func (p *parser) defaults(n *yaml.Node) defaultsSection {
 			if s := p.scalar(where, f); s.set {
 				d.trustOnFirstUse, _ = p.boolean(where, f.key, s)
 			}
+		case "bmc":
+			d.bmc = p.bmcBlock(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -373,6 +379,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	fs := p.fields(n, where)
 
 	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot, tofu scalar
+	var bmc *bmcBlock
 	e := &entry{m: &machine{id: id.v}}
 	for _, f := range fs {
 		switch f.key {
@@ -399,6 +406,8 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 			reboot = p.scalar(where, f)
 		case "trust_on_first_use":
 			tofu = p.scalar(where, f)
+		case "bmc":
+			bmc = p.bmcBlock(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -454,6 +463,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	if key, ok := p.secret(where, "ssh_key", keyFile, keyEnv); ok {
 		e.signer = p.privateKey(where, key, keyFile, keyEnv)
 	}
+	e.bmc = p.bmcSpec(where, d.bmc, bmc)
 	if len(p.problems) > before {
 		return nil, id
 	}

@@ -10,6 +10,10 @@
 //	  ssh_user: root
 //	  reboot_command: systemctl reboot
 //	  trust_on_first_use: false
+//	  bmc:                         # optional; shared fields of the machines' bmc blocks
+//	    driver: ipmi
+//	    username: ADMIN
+//	    password_file: /etc/shepherd/bmc.pw
 //	machines:
 //	  - id: rack1-node7            # required; 1-128 bytes; unique; any string (not a UUID)
 //	    address: 10.0.0.7          # required; an IP address (v4 or v6), no host names
@@ -26,6 +30,17 @@
 //	                                                # else false: see Host keys and secrets
 //	    reboot_command: "ipmitool power cycle"      # optional; default defaults.reboot_command,
 //	                                                # else "systemctl reboot"
+//	    bmc:                       # optional; the machine's BMC, for out-of-band power
+//	      driver: ipmi             # ipmi or redfish
+//	      address: 10.1.0.7        # the BMC's IP address or host name
+//	      port: 623                # optional; default 623 (ipmi), 443 (redfish)
+//	      username: ADMIN
+//	      password_file: /etc/shepherd/bmc.pw   # or password_env (never both, never inline)
+//	      cipher_suite: 17         # ipmi only; 3 (the default) or 17
+//	      ca_file: /etc/shepherd/bmc-ca.pem     # redfish only; default the system's CAs
+//	      insecure_skip_verify: false           # redfish only; true accepts any certificate
+//	      auth: session            # redfish only; basic, session, or unset: a session when
+//	                               # the BMC offers one
 //	  - id: n2
 //	    address: "2001:db8::2"
 //
@@ -34,6 +49,13 @@
 // the format does not know. A password file's single trailing newline is
 // not part of the password. Do not put secrets in reboot_command either: it
 // appears in error messages.
+//
+// A machine's bmc block is laid over the defaults' bmc block field by field;
+// the defaults' cipher_suite applies only to ipmi machines, their ca_file,
+// insecure_skip_verify and auth only to redfish ones. A machine without a
+// bmc block has no BMC, whatever the defaults say. BMC passwords follow the
+// rules of SSH secrets: a file or a variable, never in a log, error, page or
+// metric; a changed password file is noticed like any secret file.
 //
 // # Host keys and secrets
 //
@@ -106,6 +128,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -125,6 +148,11 @@ type Config struct {
 	ReloadInterval time.Duration // how often the file is checked for changes; default 5s
 	SSHTimeout     time.Duration // bounds a reboot's SSH connection and command; default 30s
 	Env            provider.Env  // logger, registerer, host key checker, SSH signer and default user
+	// Power paces and bounds the calls to the machines' BMCs.
+	Power power.Config
+	// OpenBMC opens the driver of a machine's BMC; nil means bmc.Open,
+	// every driver Shepherd has.
+	OpenBMC func(power.Spec) (power.Driver, error)
 }
 
 // Validate names the field and the bad value. It changes nothing.
@@ -138,12 +166,15 @@ func (c Config) Validate() error {
 	if c.SSHTimeout < 0 {
 		return fmt.Errorf("static: SSHTimeout must be >= 0 (0 = default), got %s", c.SSHTimeout)
 	}
+	if err := c.Power.Validate(); err != nil {
+		return fmt.Errorf("static: %w", err)
+	}
 	return nil
 }
 
 // Provider is the static inventory provider. It implements
-// provider.Provider, provider.Recoverer, provider.SSHAccessor and
-// provider.Runner; all methods are safe for concurrent use.
+// provider.Provider, provider.Recoverer, provider.SSHAccessor,
+// provider.PowerController and provider.Runner; all methods are safe for concurrent use.
 type Provider struct {
 	cfg       Config
 	log       *slog.Logger
@@ -156,13 +187,19 @@ type Provider struct {
 
 	reloadMu sync.Mutex // serializes loads of the file; guards seen
 	seen     fileState  // the file as last read, good or not
+
+	bmcMu sync.Mutex
+	// bmcs are the controllers of the BMCs used so far, by endpoint, so
+	// that calls to one BMC are paced however many machines name it.
+	bmcs map[string]bmcController
 }
 
 var (
-	_ provider.Provider    = (*Provider)(nil)
-	_ provider.Recoverer   = (*Provider)(nil)
-	_ provider.SSHAccessor = (*Provider)(nil)
-	_ provider.Runner      = (*Provider)(nil)
+	_ provider.Provider        = (*Provider)(nil)
+	_ provider.Recoverer       = (*Provider)(nil)
+	_ provider.SSHAccessor     = (*Provider)(nil)
+	_ provider.Runner          = (*Provider)(nil)
+	_ provider.PowerController = (*Provider)(nil)
 )
 
 // New loads the inventory; a broken file is an error that names file:line.
@@ -186,6 +223,7 @@ func newProvider(cfg Config, lookupEnv func(string) (string, bool)) (*Provider, 
 		cfg:       cfg,
 		log:       log.With(slog.String("component", "provider"), slog.String("provider", cfg.Name)),
 		lookupEnv: lookupEnv,
+		bmcs:      map[string]bmcController{},
 	}
 	// Load before registering metrics, so a broken file leaves the
 	// registerer untouched and New can simply be called again.
