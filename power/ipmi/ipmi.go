@@ -184,7 +184,7 @@ func (d *Driver) SetNextBoot(ctx context.Context, dev power.BootDevice) error {
 	case power.BootDisk:
 		sel = types.BootDeviceSelectorForceHardDrive
 	default:
-		return fmt.Errorf("ipmi: setting next boot on %s: boot device %q: want %q or %q: %w",
+		return fmt.Errorf("ipmi: setting next boot at %s: boot device %q: want %q or %q: %w",
 			d.spec, dev, power.BootPXE, power.BootDisk, power.ErrUnsupported)
 	}
 	return d.do(ctx, "setting next boot to "+string(dev), func(ctx context.Context, c *client.Client) error {
@@ -196,7 +196,7 @@ func (d *Driver) SetNextBoot(ctx context.Context, dev power.BootDevice) error {
 // or the session setup's error, classified.
 func (d *Driver) do(ctx context.Context, what string, fn func(context.Context, *client.Client) error) error {
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("ipmi: %s on %s: %w", what, d.spec, err)
+		return fmt.Errorf("ipmi: %s at %s: %w", what, d.spec, err)
 	}
 	w := &wire{}
 	c, err := client.NewClient(d.host, d.port, d.spec.Username, d.spec.Password.Reveal())
