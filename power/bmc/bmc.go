@@ -7,6 +7,7 @@ import (
 	"fmt"
 
 	"github.com/shepherd/shepherd/power"
+	"github.com/shepherd/shepherd/power/ipmi"
 )
 
 // Open returns the driver for s, which must be valid.
@@ -15,6 +16,8 @@ func Open(s power.Spec) (power.Driver, error) {
 		return nil, fmt.Errorf("BMC %s: %w", s, err)
 	}
 	switch s.Driver {
+	case power.DriverIPMI:
+		return ipmi.New(s)
 	}
 	return nil, fmt.Errorf("BMC %s: driver %q: %w", s, s.Driver, power.ErrUnsupported)
 }
