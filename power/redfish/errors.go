@@ -22,21 +22,23 @@ func httpError(status int, body []byte) error {
 	return schemas.ConstructError(status, body)
 }
 
-// maxBodyText bounds how much of a body that is not a Redfish error goes
-// into a message: an HTML error page is no use in a log line.
-const maxBodyText = 200
+// maxWords bounds how much of what a BMC said goes into a message: an HTML
+// error page is no use in a log line. It is applied after scrub, so that a
+// secret cut in two cannot slip through half.
+const maxWords = 400
 
-// bmcWords returns what a BMC said in a Redfish error: the message and,
-// because iDRAC and others put the real reason only there, each message of
-// @Message.ExtendedInfo with its id.
+// bmcWords returns what a BMC said in a Redfish error: its code and message
+// and, because iDRAC and others put the real reason only there, each other
+// message of @Message.ExtendedInfo with its id. A body that is not a
+// Redfish error is its Message.
 func bmcWords(e *schemas.Error) string {
 	var parts []string
 	if e.Message != "" {
-		msg := e.Message
-		if len(msg) > maxBodyText {
-			msg = msg[:maxBodyText] + "…"
+		if e.Code != "" {
+			parts = append(parts, e.Code+": "+e.Message)
+		} else {
+			parts = append(parts, e.Message)
 		}
-		parts = append(parts, msg)
 	}
 	for _, m := range e.ExtendedInfos {
 		if m.Message == "" || m.Message == e.Message {
@@ -52,6 +54,14 @@ func bmcWords(e *schemas.Error) string {
 		return http.StatusText(e.HTTPReturnedStatusCode)
 	}
 	return strings.Join(parts, "; ")
+}
+
+// truncate cuts s to at most n bytes, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return strings.ToValidUTF8(s[:n], "") + "…"
 }
 
 // classify turns an error met while doing what into one that names the BMC
@@ -78,7 +88,7 @@ func (c *call) classify(what string, err error) error {
 	var rfErr *schemas.Error
 	if errors.As(err, &rfErr) && rfErr.HTTPReturnedStatusCode != 0 {
 		status := rfErr.HTTPReturnedStatusCode
-		msg := fmt.Sprintf("%s: HTTP %d: %s", prefix, status, c.scrub(bmcWords(rfErr)))
+		msg := fmt.Sprintf("%s: HTTP %d: %s", prefix, status, truncate(c.scrub(bmcWords(rfErr)), maxWords))
 		switch status {
 		case http.StatusUnauthorized, http.StatusForbidden:
 			return fmt.Errorf("%s: %w", msg, power.ErrAuth)

@@ -84,8 +84,11 @@ func (b *BMC) serve(w http.ResponseWriter, r *http.Request) {
 		r = withEcho(r)
 	}
 	b.mu.Lock()
-	hang := b.hang != nil && b.hang(r)
-	fail := b.failNext > 0
+	match := b.hang
+	b.mu.Unlock()
+	hang := match != nil && match(r) // not under mu: match may block
+	b.mu.Lock()
+	fail := !hang && b.failNext > 0
 	if fail {
 		b.failNext--
 	}
