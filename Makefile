@@ -20,7 +20,7 @@ GREMLINS      := $(TOOLS)/gremlins-$(GREMLINS_VERSION)/gremlins
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test chaos mutate fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool require-openipmi
+.PHONY: all build test chaos mutate fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients
 
 all: build
 
@@ -44,6 +44,8 @@ require-promtool:
 
 require-openipmi:
 	@scripts/require-openipmi
+require-redfish-clients:
+	@scripts/require-redfish-clients
 
 # Fuzz targets of the parsers of external input (SPEC §8 R9), each run by
 # `make test` for FUZZTIME_DEFAULT inputs or the count after its second
@@ -68,7 +70,7 @@ FUZZ_TARGETS := \
 
 # sshd is installed first, so the SSH end-to-end tests must use it: a
 # missing sshd fails them rather than falling back to the in-process server.
-test: require-postgres require-sshd require-chromium require-promtool require-openipmi
+test: require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients
 	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 -timeout 20m ./...
 	$(MAKE) --no-print-directory fuzz
 
