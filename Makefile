@@ -44,6 +44,7 @@ require-promtool:
 
 require-openipmi:
 	@scripts/require-openipmi
+
 require-redfish-clients:
 	@scripts/require-redfish-clients
 

@@ -8,6 +8,7 @@ import (
 
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/power/ipmi"
+	"github.com/shepherd/shepherd/power/redfish"
 )
 
 // Open returns the driver for s, which must be valid.
@@ -18,6 +19,8 @@ func Open(s power.Spec) (power.Driver, error) {
 	switch s.Driver {
 	case power.DriverIPMI:
 		return ipmi.New(s)
+	case power.DriverRedfish:
+		return redfish.New(s)
 	}
 	return nil, fmt.Errorf("BMC %s: driver %q: %w", s, s.Driver, power.ErrUnsupported)
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/power/bmc"
 	"github.com/shepherd/shepherd/power/ipmi"
+	"github.com/shepherd/shepherd/power/redfish"
 )
 
 // TestOpen: each driver name opens its driver; a bad spec is refused with
@@ -21,6 +22,13 @@ func TestOpen(t *testing.T) {
 	}
 	if _, ok := d.(*ipmi.Driver); !ok {
 		t.Errorf("Open(ipmi) = %T, want *ipmi.Driver", d)
+	}
+	r := s
+	r.Driver, r.Port = power.DriverRedfish, 8443
+	if d, err := bmc.Open(r); err != nil {
+		t.Errorf("Open(redfish) = %v", err)
+	} else if _, ok := d.(*redfish.Driver); !ok {
+		t.Errorf("Open(redfish) = %T, want *redfish.Driver", d)
 	}
 	s.Address = ""
 	if _, err := bmc.Open(s); err == nil || !strings.Contains(err.Error(), "address missing") || strings.Contains(err.Error(), "hunter2") {
