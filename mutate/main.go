@@ -54,6 +54,11 @@ var targets = []target{
 	{dir: "internal/sshx"},
 	{dir: "agent/install"},
 	{dir: "provider/static"},
+	// Out-of-band power (issue 12): the shared pacing and cycle logic, and
+	// the drivers, judged against real ipmi_sim and the Redfish fake.
+	{dir: "power"},
+	{dir: "power/ipmi"},
+	{dir: "power/redfish"},
 	// bmdb's whole suite takes minutes per mutant; the tests of sessions,
 	// work and backoff judge these files.
 	{dir: "bmdb", only: []string{"backoff.go", "session.go", "work.go"},
