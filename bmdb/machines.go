@@ -466,6 +466,9 @@ type MachineDetail struct {
 	// machine to leave the fleet; for a decommissioned machine it is what
 	// the decommission record kept of the request.
 	DecommissionRequested *DecommissionInfo
+	// Power is the last known power state, read through the machine's BMC
+	// (`shepherd machine power`); nil if it was never checked.
+	Power *PowerStatus
 }
 
 // GetMachine returns a machine with all of its tags, read in one
@@ -502,6 +505,9 @@ func (db *DB) GetMachineWithTimeouts(ctx context.Context, id uuid.UUID, firstHea
 		d.Work = make([]LiveWork, len(work))
 		for i, w := range work {
 			d.Work[i] = LiveWork{Process: Process(w.Process), SessionID: w.SessionID, Component: w.Component, StartedAt: w.StartedAt}
+		}
+		if d.Power, err = powerStatus(ctx, q, id); err != nil {
+			return fmt.Errorf("reading power state: %w", err)
 		}
 		backoffs, err := q.MachineBackoffs(ctx, id)
 		if err != nil {

@@ -13,6 +13,7 @@ const (
 	ProcessRecovery       Process = "Recovery"       // machine-exclusive: reboot a silent machine
 	ProcessReinstall      Process = "Reinstall"      // machine-exclusive: reinstall through the provider
 	ProcessDecommission   Process = "Decommission"   // machine-exclusive: remove from the fleet
+	ProcessPower          Process = "Power"          // machine-exclusive: an operator's power action through the BMC
 	ProcessProviderUpdate Process = "ProviderUpdate" // refresh provider status; touches only the BMDB
 )
 
@@ -21,6 +22,7 @@ var processExclusive = map[Process]bool{
 	ProcessRecovery:       true,
 	ProcessReinstall:      true,
 	ProcessDecommission:   true,
+	ProcessPower:          true,
 	ProcessProviderUpdate: false,
 }
 

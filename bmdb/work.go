@@ -55,6 +55,19 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 	if err := process.Validate(); err != nil {
 		return nil, err
 	}
+	params := claimParams{process: process, session: s.id, scan: int32(s.cfg.ScanLimit), strategy: s.cfg.ClaimStrategy}
+	return s.claim(ctx, process, "claiming "+candidates.String(), ErrNothingToDo, func(ctx context.Context) (claimResult, error) {
+		return candidates.claim(ctx, s.db.q, params)
+	})
+}
+
+// claim runs one claim statement (stmt) for process until it claims a
+// machine, finds none, or has lost claimAttempts races. what says what the
+// claim does, for errors; none is the error when no machine answers and
+// the session is alive. An error of stmt that wraps ErrMachineBusy is
+// returned as it is.
+func (s *Session) claim(ctx context.Context, process Process, what string, none error,
+	stmt func(ctx context.Context) (claimResult, error)) (*Work, error) {
 	if s.ctx.Err() != nil {
 		return nil, ErrSessionExpired
 	}
@@ -63,17 +76,16 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 	s.claimMu.RLock()
 	defer s.claimMu.RUnlock()
 	m := s.db.metrics
-	params := claimParams{process: process, session: s.id, scan: int32(s.cfg.ScanLimit), strategy: s.cfg.ClaimStrategy}
 	for range claimAttempts {
 		var res claimResult
 		err := s.db.retry(ctx, func(ctx context.Context) error {
 			var err error
-			res, err = candidates.claim(ctx, s.db.q, params)
+			res, err = stmt(ctx)
 			return err
 		})
 		if errors.Is(err, pgx.ErrNoRows) {
-			// No candidate: either there is none, or our session is dead
-			// (the claim only selects candidates for a live session).
+			// No machine: either there is none, or our session is dead
+			// (the claim only selects machines for a live session).
 			alive, err := s.db.q.SessionAlive(ctx, s.id)
 			if err != nil {
 				return nil, fmt.Errorf("bmdb: checking session %s: %w", s.id, err)
@@ -81,14 +93,17 @@ func (s *Session) Work(ctx context.Context, process Process, candidates Candidat
 			if !alive {
 				return nil, ErrSessionExpired
 			}
-			return nil, ErrNothingToDo
+			return nil, none
+		}
+		if errors.Is(err, ErrMachineBusy) {
+			return nil, err
 		}
 		if err != nil {
 			if outcomeUnknown(err) {
 				s.log.WarnContext(ctx, "claim's outcome unknown, will release what it may have taken", "process", process, "err", err)
 				s.claimUnknown()
 			}
-			return nil, fmt.Errorf("bmdb: claiming %s for %s: %w", candidates, process, err)
+			return nil, fmt.Errorf("bmdb: %s for %s: %w", what, process, err)
 		}
 		if res.ExpiredCount > 0 {
 			m.workExpired.WithLabelValues(string(process)).Add(float64(res.ExpiredCount))
@@ -187,10 +202,18 @@ func (w *Work) logger() *slog.Logger {
 // after an attempt that committed unheard returns nil. ErrSessionExpired
 // means the lock was already gone and nothing was changed.
 func (w *Work) Finish(ctx context.Context, fn func(ctx context.Context, tx *Tx) error) error {
+	return w.FinishWithCause(ctx, "", fn)
+}
+
+// FinishWithCause is Finish with a cause on the Finished history row: what
+// the work did, for work an operator asked for ("power off: found on, now
+// off"). Like Fail's, the cause is stored as valid UTF-8 without NUL bytes.
+func (w *Work) FinishWithCause(ctx context.Context, cause string, fn func(ctx context.Context, tx *Tx) error) error {
+	cause = safetext.Clean(cause)
 	if err := w.begin(); err != nil {
 		return err
 	}
-	params := model.WorkFinishParams{MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id}
+	params := model.WorkFinishParams{MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id, Cause: cause}
 	release := func(ctx context.Context, q *model.Queries) error {
 		if _, err := q.WorkFinish(ctx, params); errors.Is(err, pgx.ErrNoRows) {
 			return ErrSessionExpired
@@ -317,6 +340,22 @@ func recordFailure(ctx context.Context, q *model.Queries, machine uuid.UUID, p P
 // already cancelled (typically during shutdown), using a fresh context with a
 // timeout instead.
 func (w *Work) Cancel(ctx context.Context) error {
+	return w.release(ctx, EventCanceled, "canceled", resultCanceled, "canceling")
+}
+
+// FailWithoutBackoff ends the work as failed without backing the machine
+// off: it releases the lock and writes history Failed with cause. It is for
+// work an operator asked for (a power action), which nobody retries by
+// itself, so a backoff would only keep the operator out. Like Cancel, it
+// works even when ctx is already cancelled (an operator's Ctrl-C), and the
+// cause is stored as valid UTF-8 without NUL bytes.
+func (w *Work) FailWithoutBackoff(ctx context.Context, cause string) error {
+	return w.release(ctx, EventFailed, safetext.Clean(cause), resultFailed, "failing")
+}
+
+// release ends the work with one history row, event with cause, leaving the
+// backoff as it is. doing names the end for errors.
+func (w *Work) release(ctx context.Context, event Event, cause, result, doing string) error {
 	if err := w.begin(); err != nil {
 		return err
 	}
@@ -325,16 +364,16 @@ func (w *Work) Cancel(ctx context.Context) error {
 	err := w.s.db.retry(cctx, func(ctx context.Context) error {
 		_, err := w.s.db.q.WorkRelease(ctx, model.WorkReleaseParams{
 			MachineID: w.MachineID, Process: string(w.Process), SessionID: w.s.id,
-			Event: string(EventCanceled), Cause: "canceled",
+			Event: string(event), Cause: cause,
 		})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return ErrSessionExpired
 		} else if err != nil {
-			return fmt.Errorf("bmdb: canceling %s on machine %s: %w", w.Process, w.MachineID, err)
+			return fmt.Errorf("bmdb: %s %s on machine %s: %w", doing, w.Process, w.MachineID, err)
 		}
 		return nil
 	})
-	_, err = w.settle(cctx, err, EventCanceled, resultCanceled)
+	_, err = w.settle(cctx, err, event, result)
 	return err
 }
 

@@ -887,6 +887,81 @@ func (q *Queries) MachineLiveWork(ctx context.Context, machineID uuid.UUID) ([]M
 	return items, nil
 }
 
+const machinePowerState = `-- name: MachinePowerState :one
+SELECT bmc, state, state_at, error_class, error_message, checked_at
+FROM machine_power_state
+WHERE machine_id = $1
+`
+
+type MachinePowerStateRow struct {
+	Bmc          string
+	State        *string
+	StateAt      *time.Time
+	ErrorClass   string
+	ErrorMessage string
+	CheckedAt    time.Time
+}
+
+// MachinePowerState is the last look at a machine's power through its BMC.
+func (q *Queries) MachinePowerState(ctx context.Context, machineID uuid.UUID) (MachinePowerStateRow, error) {
+	row := q.db.QueryRow(ctx, machinePowerState, machineID)
+	var i MachinePowerStateRow
+	err := row.Scan(
+		&i.Bmc,
+		&i.State,
+		&i.StateAt,
+		&i.ErrorClass,
+		&i.ErrorMessage,
+		&i.CheckedAt,
+	)
+	return i, err
+}
+
+const machinePowerStateRecord = `-- name: MachinePowerStateRecord :one
+INSERT INTO machine_power_state (machine_id, bmc, state, state_at, error_class, error_message, checked_at)
+SELECT m.machine_id, $1::text, $2::text,
+       CASE WHEN $2::text IS NOT NULL THEN now() END,
+       $3::text, $4::text, now()
+FROM machines m
+WHERE m.machine_id = $5
+ON CONFLICT (machine_id) DO UPDATE
+SET bmc = EXCLUDED.bmc,
+    state = CASE WHEN EXCLUDED.state IS NOT NULL THEN EXCLUDED.state
+                 WHEN machine_power_state.bmc = EXCLUDED.bmc THEN machine_power_state.state END,
+    state_at = CASE WHEN EXCLUDED.state IS NOT NULL THEN EXCLUDED.state_at
+                    WHEN machine_power_state.bmc = EXCLUDED.bmc THEN machine_power_state.state_at END,
+    error_class = EXCLUDED.error_class,
+    error_message = EXCLUDED.error_message,
+    checked_at = EXCLUDED.checked_at
+RETURNING checked_at
+`
+
+type MachinePowerStateRecordParams struct {
+	Bmc          string
+	State        *string
+	ErrorClass   string
+	ErrorMessage string
+	MachineID    uuid.UUID
+}
+
+// MachinePowerStateRecord records a look at a machine's power: the state if
+// one was read (NULL keeps the last one read through the same BMC, and
+// forgets one read through another), and the error class and message of a
+// check or action that failed (” clears them). No row: the machine does
+// not exist.
+func (q *Queries) MachinePowerStateRecord(ctx context.Context, arg MachinePowerStateRecordParams) (time.Time, error) {
+	row := q.db.QueryRow(ctx, machinePowerStateRecord,
+		arg.Bmc,
+		arg.State,
+		arg.ErrorClass,
+		arg.ErrorMessage,
+		arg.MachineID,
+	)
+	var checked_at time.Time
+	err := row.Scan(&checked_at)
+	return checked_at, err
+}
+
 const sessionListWithWork = `-- name: SessionListWithWork :many
 SELECT s.session_id, s.component, s.hostname, s.pid, s.version, s.created_at, s.lease_ms, s.deadline, s.closed_at,
        (s.deadline > now() AND s.closed_at IS NULL)::boolean AS alive,

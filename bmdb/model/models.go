@@ -82,6 +82,16 @@ type MachineOsInstallationRequest struct {
 	RequestedAt              time.Time
 }
 
+type MachinePowerState struct {
+	MachineID    uuid.UUID
+	Bmc          string
+	State        *string
+	StateAt      *time.Time
+	ErrorClass   string
+	ErrorMessage string
+	CheckedAt    time.Time
+}
+
 type MachineProvided struct {
 	MachineID             uuid.UUID
 	Provider              string

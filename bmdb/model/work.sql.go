@@ -218,7 +218,7 @@ const workFinish = `-- name: WorkFinish :one
 WITH released AS (
     DELETE FROM work w
     USING sessions s
-    WHERE w.machine_id = $1 AND w.process = $2 AND w.session_id = $3
+    WHERE w.machine_id = $2 AND w.process = $3 AND w.session_id = $4
       AND s.session_id = w.session_id AND s.deadline > now() AND s.closed_at IS NULL
     RETURNING w.machine_id, w.process, w.session_id
 ),
@@ -228,24 +228,32 @@ cleared AS (
     WHERE b.machine_id = r.machine_id AND b.process = r.process
     RETURNING b.machine_id
 )
-INSERT INTO work_history (machine_id, process, event, session_id)
-SELECT r.machine_id, r.process, 'Finished', r.session_id
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT r.machine_id, r.process, 'Finished', r.session_id, $1
 FROM released r
 WHERE (SELECT count(*) FROM cleared) >= 0
 RETURNING history_id
 `
 
 type WorkFinishParams struct {
+	Cause     string
 	MachineID uuid.UUID
 	Process   string
 	SessionID uuid.UUID
 }
 
 // WorkFinish releases a work item held by a live session, clears the backoff
-// of (machine, process) and writes history Finished. No row: the session is no
-// longer alive or the work is gone, so the lock is not ours any more.
+// of (machine, process) and writes history Finished with the cause (what
+// was done, for work an operator asked for; ” for the control loops'). No
+// row: the session is no longer alive or the work is gone, so the lock is
+// not ours any more.
 func (q *Queries) WorkFinish(ctx context.Context, arg WorkFinishParams) (int64, error) {
-	row := q.db.QueryRow(ctx, workFinish, arg.MachineID, arg.Process, arg.SessionID)
+	row := q.db.QueryRow(ctx, workFinish,
+		arg.Cause,
+		arg.MachineID,
+		arg.Process,
+		arg.SessionID,
+	)
 	var history_id int64
 	err := row.Scan(&history_id)
 	return history_id, err

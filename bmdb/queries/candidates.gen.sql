@@ -171,8 +171,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -251,8 +251,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -429,8 +429,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -511,8 +511,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -845,8 +845,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -953,8 +953,8 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
     FROM claimed cl
     RETURNING machine_id
 )
@@ -965,3 +965,80 @@ FROM candidate c
 LEFT JOIN started st ON true
 CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 
+-- name: WorkHold :one
+-- WorkHold claims one named machine for a machine-exclusive process under
+-- the session, in one statement (an operator's power action: the machine is
+-- chosen, not found). It takes the same steps as the candidate claims once
+-- the machine is locked, and so writes history Started with the cause.
+-- Unlike them it waits for a concurrent claim's lock on the machine rather
+-- than skipping it (there is no other candidate to go to), and it returns,
+-- as holder, the process of the live work that keeps it from the machine
+-- ('' if none).
+-- Backoffs and decommission requests do not keep an operator out. No row
+-- means the session is dead or the machine has no Provided tag; a row
+-- with neither holder nor claimed_id means the insert lost a race with a claim
+-- its snapshot did not see.
+WITH target AS (
+    SELECT c.machine_id, c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+           c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase,
+           COALESCE((SELECT w.process
+        FROM work w
+        JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = c.machine_id
+          AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+          AND s.deadline > now()
+          AND s.closed_at IS NULL
+        ORDER BY w.started_at
+        LIMIT 1), '')::text AS holder
+    FROM machine_provided c
+    WHERE c.machine_id = @machine_id
+      AND EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF c
+),
+candidate AS (
+    SELECT t.machine_id FROM target t WHERE t.holder = ''
+),
+revised AS (
+    UPDATE machine_provided p
+    SET revision = p.revision + 1
+    FROM candidate c
+    WHERE p.machine_id = c.machine_id
+    RETURNING p.machine_id
+),
+expired AS (
+    DELETE FROM work w
+    USING sessions s, candidate c
+    WHERE w.machine_id = c.machine_id
+      AND s.session_id = w.session_id
+      AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
+      AND NOT (s.deadline > now() AND s.closed_at IS NULL)
+    RETURNING w.machine_id, w.process, w.session_id
+),
+expired_history AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    FROM expired e
+    RETURNING history_id
+),
+claimed AS (
+    INSERT INTO work (machine_id, process, machine_exclusive, session_id)
+    SELECT c.machine_id, @process, @exclusive::boolean, @session_id
+    FROM candidate c
+    WHERE (SELECT count(*) FROM expired_history) >= 0
+    ON CONFLICT DO NOTHING
+    RETURNING machine_id, process, session_id
+),
+started AS (
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, @cause::text
+    FROM claimed cl
+    RETURNING machine_id
+)
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+       t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
+       t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
+FROM target t
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;

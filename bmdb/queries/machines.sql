@@ -356,3 +356,32 @@ WHERE @include_dead::boolean OR (s.deadline > now() AND s.closed_at IS NULL)
 ORDER BY s.created_at DESC, s.session_id
 LIMIT @row_limit::integer;
 
+
+-- name: MachinePowerState :one
+-- MachinePowerState is the last look at a machine's power through its BMC.
+SELECT bmc, state, state_at, error_class, error_message, checked_at
+FROM machine_power_state
+WHERE machine_id = @machine_id;
+
+-- name: MachinePowerStateRecord :one
+-- MachinePowerStateRecord records a look at a machine's power: the state if
+-- one was read (NULL keeps the last one read through the same BMC, and
+-- forgets one read through another), and the error class and message of a
+-- check or action that failed ('' clears them). No row: the machine does
+-- not exist.
+INSERT INTO machine_power_state (machine_id, bmc, state, state_at, error_class, error_message, checked_at)
+SELECT m.machine_id, @bmc::text, sqlc.narg(state)::text,
+       CASE WHEN sqlc.narg(state)::text IS NOT NULL THEN now() END,
+       @error_class::text, @error_message::text, now()
+FROM machines m
+WHERE m.machine_id = @machine_id
+ON CONFLICT (machine_id) DO UPDATE
+SET bmc = EXCLUDED.bmc,
+    state = CASE WHEN EXCLUDED.state IS NOT NULL THEN EXCLUDED.state
+                 WHEN machine_power_state.bmc = EXCLUDED.bmc THEN machine_power_state.state END,
+    state_at = CASE WHEN EXCLUDED.state IS NOT NULL THEN EXCLUDED.state_at
+                    WHEN machine_power_state.bmc = EXCLUDED.bmc THEN machine_power_state.state_at END,
+    error_class = EXCLUDED.error_class,
+    error_message = EXCLUDED.error_message,
+    checked_at = EXCLUDED.checked_at
+RETURNING checked_at;

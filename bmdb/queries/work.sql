@@ -1,7 +1,9 @@
 -- name: WorkFinish :one
 -- WorkFinish releases a work item held by a live session, clears the backoff
--- of (machine, process) and writes history Finished. No row: the session is no
--- longer alive or the work is gone, so the lock is not ours any more.
+-- of (machine, process) and writes history Finished with the cause (what
+-- was done, for work an operator asked for; '' for the control loops'). No
+-- row: the session is no longer alive or the work is gone, so the lock is
+-- not ours any more.
 WITH released AS (
     DELETE FROM work w
     USING sessions s
@@ -15,8 +17,8 @@ cleared AS (
     WHERE b.machine_id = r.machine_id AND b.process = r.process
     RETURNING b.machine_id
 )
-INSERT INTO work_history (machine_id, process, event, session_id)
-SELECT r.machine_id, r.process, 'Finished', r.session_id
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT r.machine_id, r.process, 'Finished', r.session_id, @cause
 FROM released r
 WHERE (SELECT count(*) FROM cleared) >= 0
 RETURNING history_id;

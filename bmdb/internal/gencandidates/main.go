@@ -9,7 +9,9 @@
 // (except in the decommissioner's own query, marked by decommissionDirective);
 // and, by tags alone, the count of matching machines and the match of one.
 // Generating them keeps the count that feeds metrics from drifting away from
-// the query that hands out work.
+// the query that hands out work. The hold of one named machine (WorkHold,
+// an operator's power action) is written here too, because it takes the
+// claims' own steps once its machine is locked.
 //
 // Usage: go run ./bmdb/internal/gencandidates -in bmdb/candidates -out bmdb/queries/candidates.gen.sql
 package main
@@ -56,12 +58,18 @@ const notInMatchingMarker = "-- +gencandidates:not-in-matching"
 // the claim below expires that work.
 const exclusions = `NOT EXISTS (
         SELECT 1
-        FROM work w
+        ` + liveConflictingWork + `)` + backoffExclusion
+
+// liveConflictingWork selects the work that keeps machine c from the
+// process: its own, or any machine-exclusive process's if it is one, held
+// by a live session. The candidate queries exclude machines that have
+// some; the hold names the process that holds the machine.
+const liveConflictingWork = `FROM work w
         JOIN sessions s ON s.session_id = w.session_id
         WHERE w.machine_id = c.machine_id
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
-          AND s.closed_at IS NULL)` + backoffExclusion
+          AND s.closed_at IS NULL`
 
 // backoffExclusion is the part of exclusions about backoff and quarantine.
 const backoffExclusion = `
@@ -191,12 +199,51 @@ WITH candidate AS (
 ),
 {{$.Claim}}
 {{- end}}
+-- name: WorkHold :one
+-- WorkHold claims one named machine for a machine-exclusive process under
+-- the session, in one statement (an operator's power action: the machine is
+-- chosen, not found). It takes the same steps as the candidate claims once
+-- the machine is locked, and so writes history Started with the cause.
+-- Unlike them it waits for a concurrent claim's lock on the machine rather
+-- than skipping it (there is no other candidate to go to), and it returns,
+-- as holder, the process of the live work that keeps it from the machine
+-- ('' if none).
+-- Backoffs and decommission requests do not keep an operator out. No row
+-- means the session is dead or the machine has no Provided tag; a row
+-- with neither holder nor claimed_id means the insert lost a race with a claim
+-- its snapshot did not see.
+WITH target AS (
+    SELECT c.machine_id, c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
+           c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase,
+           COALESCE((SELECT w.process
+        {{.Conflict}}
+        ORDER BY w.started_at
+        LIMIT 1), '')::text AS holder
+    FROM machine_provided c
+    WHERE c.machine_id = @machine_id
+      AND EXISTS (
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    FOR UPDATE OF c
+),
+candidate AS (
+    SELECT t.machine_id FROM target t WHERE t.holder = ''
+),
+{{.HoldSteps}}
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+       t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
+       t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
+FROM target t
+LEFT JOIN started st ON true
+CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 `))
 
-// claim is the part of every claim query after the candidate is locked.
-// claimed reads expired_history so that the dead work is deleted before the
-// insert that would otherwise collide with it.
-const claim = `revised AS (
+// claimSteps is the part of every claim query (and of the hold) after the
+// candidate is locked, up to the result. claimed reads expired_history so
+// that the dead work is deleted before the insert that would otherwise
+// collide with it. startedCause stands for the SQL of the cause of the
+// Started row.
+const claimSteps = `revised AS (
     UPDATE machine_provided p
     SET revision = p.revision + 1
     FROM candidate c
@@ -227,12 +274,18 @@ claimed AS (
     RETURNING machine_id, process, session_id
 ),
 started AS (
-    INSERT INTO work_history (machine_id, process, event, session_id)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ` + startedCause + `
     FROM claimed cl
     RETURNING machine_id
-)
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+)`
+
+// startedCause marks where claimSteps takes the Started row's cause.
+const startedCause = "{{started_cause}}"
+
+// claimResult is the end of every candidate claim query: the candidate, and
+// the machine claimed if the insert won.
+const claimResult = `SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
@@ -268,10 +321,13 @@ func run(in, out string) error {
 		defs = append(defs, d)
 	}
 	var buf bytes.Buffer
+	steps := func(cause string) string { return strings.Replace(claimSteps, startedCause, cause, 1) }
 	err = queries.Execute(&buf, struct {
-		Defs  []definition
-		Claim string
-	}{defs, claim})
+		Defs      []definition
+		Claim     string
+		Conflict  string
+		HoldSteps string
+	}{defs, steps("''") + "\n" + claimResult, liveConflictingWork, steps("@cause::text")})
 	if err != nil {
 		return err
 	}
