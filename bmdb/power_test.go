@@ -1,32 +1,20 @@
 package bmdb_test
 
 import (
+	"context"
 	"errors"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/google/uuid"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 )
-
-// historyOf returns a machine's history as "Process Event cause" lines,
-// oldest first.
-func historyOf(t *testing.T, db *bmdbtest.DB, m uuid.UUID) []string {
-	t.Helper()
-	events, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got []string
-	for _, e := range events {
-		got = append(got, strings.TrimSpace(string(e.Process)+" "+string(e.Event)+" "+e.Cause))
-	}
-	return got
-}
 
 // TestHold: an operator's Hold takes the named machine exclusively, with the
 // cause in history, and keeps every other machine-exclusive process off it
@@ -37,17 +25,33 @@ func TestHold(t *testing.T) {
 	db := bmdbtest.New(t)
 	loop := bmdbtest.Session(t, db, "initializer", time.Minute)
 	cli := bmdbtest.Session(t, db, "cli", time.Minute)
-	m := bmdbtest.AddMachine(t, db, loop, "p")
+	var m uuid.UUID
+	err := loop.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		var err error
+		m, err = tx.AddMachine(ctx, bmdb.Provided{Provider: "p", ProviderID: "m3", ReservationID: "r1",
+			Address: netip.MustParseAddr("10.0.0.3"), Location: "fra1/rack1", Status: bmdb.ProviderStatusRunning})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	other := bmdbtest.AddMachine(t, db, loop, "p")
 
 	w, err := cli.Hold(t.Context(), bmdb.ProcessPower, m, "power off by alice@host")
 	if err != nil {
 		t.Fatalf("Hold: %v", err)
 	}
-	if w.MachineID != m || w.Process != bmdb.ProcessPower || w.Provided.Provider != "p" || w.Provided.MachineID != m {
+	provided, err := db.GetProvided(t.Context(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.MachineID != m || w.Process != bmdb.ProcessPower || provided.Location != "fra1/rack1" {
 		t.Errorf("Hold returned %+v", w)
 	}
-	if diff := cmp.Diff([]string{"Power Started power off by alice@host"}, historyOf(t, db, m)); diff != "" {
+	if diff := cmp.Diff(provided, w.Provided, cmpopts.EquateComparable(netip.Addr{})); diff != "" {
+		t.Errorf("Hold's Provided tag differs from the machine's (-machine +hold):\n%s", diff)
+	}
+	if diff := cmp.Diff([]string{"Power Started power off by alice@host"}, bmdbtest.History(t, db, m)); diff != "" {
 		t.Errorf("history (-want +got):\n%s", diff)
 	}
 
@@ -79,7 +83,7 @@ func TestHold(t *testing.T) {
 	if !errors.Is(err, bmdb.ErrMachineBusy) || !strings.Contains(err.Error(), "held by AgentStart") {
 		t.Errorf("Hold of a machine agent start holds: %v, want ErrMachineBusy held by AgentStart", err)
 	}
-	if diff := cmp.Diff([]string{"AgentStart Started"}, historyOf(t, db, other)); diff != "" {
+	if diff := cmp.Diff([]string{"AgentStart Started"}, bmdbtest.History(t, db, other)); diff != "" {
 		t.Errorf("the refused Hold wrote history (-want +got):\n%s", diff)
 	}
 	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 2 {
@@ -145,7 +149,7 @@ func TestHoldExpiresDeadWork(t *testing.T) {
 		"AgentStart Expired session " + crashed.ID().String() + " expired",
 		"Power Started power cycle by alice@host",
 	}
-	if diff := cmp.Diff(want, historyOf(t, db, m)); diff != "" {
+	if diff := cmp.Diff(want, bmdbtest.History(t, db, m)); diff != "" {
 		t.Errorf("history (-want +got):\n%s", diff)
 	}
 	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work WHERE machine_id = $1", m); n != 1 {
@@ -200,7 +204,7 @@ func TestHoldEnds(t *testing.T) {
 		"Power Started power on by bob@host",
 		"Power Finished",
 	}
-	got := historyOf(t, db, m)
+	got := bmdbtest.History(t, db, m)
 	for i := range got {
 		got[i] = strings.ReplaceAll(got[i], "\uFFFD", "")
 	}

@@ -3,6 +3,7 @@ package bmdbtest
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -215,4 +216,19 @@ func OverlappingClaimsIn(ctx context.Context, pool *pgxpool.Pool) ([]string, err
 		return nil, fmt.Errorf("reading overlapping claims: %w", err)
 	}
 	return out, nil
+}
+
+// History returns machine's history as "Process Event cause" lines, oldest
+// first, for tests to compare whole.
+func History(t testing.TB, db *DB, machine uuid.UUID) []string {
+	t.Helper()
+	events, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: machine})
+	if err != nil {
+		t.Fatalf("bmdbtest: reading history: %v", err)
+	}
+	lines := []string{}
+	for _, e := range events {
+		lines = append(lines, strings.TrimSpace(string(e.Process)+" "+string(e.Event)+" "+e.Cause))
+	}
+	return lines
 }
