@@ -104,6 +104,14 @@ func operator() string {
 	return name
 }
 
+// confirmed reads the operator's answer to the question just asked: y or
+// yes, in any case, is a yes; anything else, or no answer, is a no.
+func confirmed(cmd *cobra.Command) bool {
+	line, _ := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
+	a := strings.ToLower(strings.TrimSpace(line))
+	return a == "y" || a == "yes"
+}
+
 // writeJSON writes v as indented JSON.
 func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
@@ -135,12 +143,13 @@ func newMachineCommand() *cobra.Command {
 	c := &machineCLI{}
 	cmd := &cobra.Command{
 		Use:   "machine",
-		Short: "List, inspect, reset and decommission machines, and accept changed host keys",
+		Short: "List, inspect, reset, power and decommission machines, and accept changed host keys",
 		Long: "Reads the machines of the BMDB with their derived states (SPEC §3.7), their tags and their\n" +
-			"history, resets backoffs and quarantines, and asks for machines to be decommissioned.",
+			"history, resets backoffs and quarantines, reads and switches their power through their BMCs,\n" +
+			"and asks for machines to be decommissioned.",
 	}
 	c.db.bind(cmd)
-	cmd.AddCommand(c.listCommand(), c.showCommand(), c.historyCommand(), c.resetCommand(), c.decommissionCommand(), c.hostKeyCommand())
+	cmd.AddCommand(c.listCommand(), c.showCommand(), c.historyCommand(), c.resetCommand(), c.decommissionCommand(), c.hostKeyCommand(), c.powerCommand())
 	return cmd
 }
 
@@ -302,6 +311,17 @@ type machineDetailJSON struct {
 	Backoffs            []backoffJSON        `json:"backoffs"`
 	HostKey             *hostKeyJSON         `json:"host_key"`
 	DecommissionRequest *decommissionReqJSON `json:"decommission_request"`
+	Power               *powerJSON           `json:"power"`
+}
+
+// powerJSON is the last known power state (`machine power`).
+type powerJSON struct {
+	BMC        string     `json:"bmc"`
+	State      string     `json:"state"` // on, off, or "" if never read through this BMC
+	StateAt    *time.Time `json:"state_at"`
+	ErrorClass string     `json:"error_class"`
+	Error      string     `json:"error"`
+	CheckedAt  time.Time  `json:"checked_at"`
 }
 
 type installationJSON struct {
@@ -420,6 +440,9 @@ func detailJSON(d bmdb.MachineDetail) machineDetailJSON {
 		}
 		j.Installation = ij
 	}
+	if p := d.Power; p != nil {
+		j.Power = &powerJSON{BMC: p.BMC, State: p.State, StateAt: p.StateAt, ErrorClass: p.ErrorClass, Error: p.Error, CheckedAt: p.CheckedAt}
+	}
 	for _, w := range d.Work {
 		j.Work = append(j.Work, workJSON{Process: string(w.Process), SessionID: w.SessionID, Component: w.Component, StartedAt: w.StartedAt})
 	}
@@ -514,6 +537,9 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 	} else {
 		line("  Provided", "no (what the decommission record kept)")
 	}
+
+	section("Power")
+	writePower(line, d)
 
 	section("Agent")
 	line("  Started", "%s", timeText(d.AgentStartedAt))
@@ -616,6 +642,25 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 		line("  Requested", "%s by %s: %s", timeText(&requestedAt), orDash(r.RequestedBy), orDash(r.Reason))
 	}
 	return w.Flush()
+}
+
+// writePower writes the machine's last known power state.
+func writePower(line func(k, format string, a ...any), d bmdb.MachineDetail) {
+	p := d.Power
+	if p == nil {
+		line("  Power", "never checked (shepherd machine power status %s)", d.MachineID)
+		return
+	}
+	line("  BMC", "%s", p.BMC)
+	if p.State != "" {
+		line("  Power", "%s, checked %s", p.State, timeText(p.StateAt))
+	} else {
+		line("  Power", "unknown")
+	}
+	if p.Error != "" {
+		// One line: a BMC library's error may span several.
+		line("  Last check", "failed %s, class %s: %s", timeText(&p.CheckedAt), p.ErrorClass, strings.Join(strings.Fields(p.Error), " "))
+	}
 }
 
 // writeHardware writes the readable lines of a hardware report.
@@ -864,8 +909,7 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 			if !yes {
 				fmt.Fprintf(cmd.ErrOrStderr(), "Decommission machine %s (%s %s, %s, state %s)?\nIt leaves the fleet and the provider is asked to release it. Proceed? [y/N] ",
 					id, d.Provider, d.ProviderID, orDash(d.Location), d.State)
-				line, _ := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
-				if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+				if !confirmed(cmd) {
 					return errors.New("not confirmed; nothing changed (pass --yes to skip the question)")
 				}
 			}

@@ -158,7 +158,7 @@ func TestMachineReset(t *testing.T) {
 		want string // in the error the operator is shown
 	}{
 		"not a uuid":      {[]string{"machine", "reset", "m-1", "--process", "AgentStart"}, `machine id "m-1" is not a UUID`},
-		"unknown process": {[]string{"machine", "reset", m.String(), "--process", "Reboot"}, `--process "Reboot" is not a process: use one of AgentStart, Decommission, ProviderUpdate, Recovery, Reinstall`},
+		"unknown process": {[]string{"machine", "reset", m.String(), "--process", "Reboot"}, `--process "Reboot" is not a process: use one of AgentStart, Decommission, Power, ProviderUpdate, Recovery, Reinstall`},
 		"no process":      {[]string{"machine", "reset", m.String()}, "--process is required"},
 		"unknown machine": {[]string{"machine", "reset", unknown, "--process", "AgentStart"}, "machine " + unknown + " does not exist"},
 		"no backoff":      {[]string{"machine", "reset", m.String(), "--process", "Recovery"}, "machine " + m.String() + " has no backoff for Recovery: nothing to reset"},

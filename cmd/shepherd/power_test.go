@@ -1,0 +1,338 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/uuid"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/power"
+	"github.com/shepherd/shepherd/power/ipmi/ipmisim"
+	"github.com/shepherd/shepherd/provider"
+	"github.com/shepherd/shepherd/provider/static"
+)
+
+// powerFixture is a BMDB with static machines, one of them (m3) with a real
+// BMC: an ipmi_sim whose machine is on.
+type powerFixture struct {
+	db      *bmdbtest.DB
+	bmc     *ipmisim.BMC
+	m       uuid.UUID // static m3, whose bmc block names the ipmi_sim
+	noBMC   uuid.UUID // static m4, without a bmc block
+	other   uuid.UUID // lab m5: another provider's machine
+	cfgPath string    // the static provider's configuration
+	pwFile  string    // the BMC password file the inventory names
+}
+
+func newPowerFixture(t *testing.T) *powerFixture {
+	t.Helper()
+	f := &powerFixture{db: bmdbtest.New(t), bmc: ipmisim.Start(t, ipmisim.Config{On: true})}
+	dir := t.TempDir()
+	f.pwFile = filepath.Join(dir, "bmc.pw")
+	inv := filepath.Join(dir, "inventory.yaml")
+	f.cfgPath = filepath.Join(dir, "static.yaml")
+	inventory := "machines:\n" +
+		"  - id: m3\n    address: 192.0.2.3\n    bmc:\n      driver: ipmi\n      address: " + f.bmc.Addr.Addr().String() + "\n" +
+		"      port: " + strconv.Itoa(int(f.bmc.Addr.Port())) + "\n      username: " + f.bmc.Username + "\n      password_file: " + f.pwFile + "\n" +
+		"  - id: m4\n    address: 192.0.2.4\n"
+	for name, data := range map[string]string{f.pwFile: f.bmc.Password.Reveal() + "\n", inv: inventory, f.cfgPath: "inventory: " + inv + "\n"} {
+		if err := os.WriteFile(name, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := bmdbtest.Session(t, f.db, "setup", time.Minute)
+	err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		for _, m := range []struct {
+			id                   *uuid.UUID
+			provider, providerID string
+		}{{&f.m, "static", "m3"}, {&f.noBMC, "static", "m4"}, {&f.other, "lab", "m5"}} {
+			var err error
+			if *m.id, err = tx.AddMachine(ctx, bmdb.Provided{Provider: m.provider, ProviderID: m.providerID, Status: bmdb.ProviderStatusRunning}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// power runs `shepherd machine power args... --provider static` with the
+// fixture's configuration and in on standard input.
+func (f *powerFixture) power(t *testing.T, in string, args ...string) (string, error) {
+	t.Helper()
+	args = append([]string{"machine", "power"}, args...)
+	return runWithInput(t, in, append(args, "--provider", "static", "--provider-config", f.cfgPath, "--database-url", f.db.URL)...)
+}
+
+// state is the power state ipmi_sim records.
+func (f *powerFixture) state(t *testing.T) power.State {
+	t.Helper()
+	s, err := f.bmc.Power()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// calls are the power calls ipmi_sim got so far.
+func (f *powerFixture) calls(t *testing.T) []string {
+	t.Helper()
+	c, err := f.bmc.Calls()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// fastPower makes `machine power` pace BMC calls 10 ms apart instead of
+// 5 s, for the rest of the test: the static provider it builds reads its
+// inventory from the --provider-config file as the real one does.
+func fastPower(t *testing.T) {
+	t.Helper()
+	orig := powerProviders
+	powerProviders = func() *provider.Registry {
+		r := provider.NewRegistry()
+		r.Add("static", func(_ context.Context, env provider.Env, config []byte) (provider.Provider, error) {
+			var c struct{ Inventory, Name string }
+			if err := yaml.Unmarshal(config, &c); err != nil {
+				return nil, err
+			}
+			return static.New(static.Config{Inventory: c.Inventory, Name: c.Name, Env: env,
+				Power: power.Config{MinInterval: 10 * time.Millisecond, Settle: 5 * time.Second}})
+		})
+		return r
+	}
+	t.Cleanup(func() { powerProviders = orig })
+}
+
+// TestMachinePowerStatus reads the power of a real BMC through the provider
+// the flags build (the real registry), records it, and machine show says it.
+func TestMachinePowerStatus(t *testing.T) {
+	f := newPowerFixture(t)
+	out, err := f.power(t, "", "status", f.m.String())
+	bmcName := "ipmi://" + f.bmc.Username + "@" + f.bmc.Addr.String()
+	if err != nil || !strings.Contains(out, "power on") || !strings.Contains(out, bmcName) || !strings.Contains(out, "static m3") {
+		t.Fatalf("machine power status: %v\n%s", err, out)
+	}
+	if strings.Contains(out, f.bmc.Password.Reveal()) {
+		t.Fatalf("machine power status printed the BMC password:\n%s", out)
+	}
+	if n := historyCount(t, f.db); n != 0 {
+		t.Errorf("status wrote %d history rows; it only reads", n)
+	}
+	out, err = run(t, "machine", "show", f.m.String(), "--database-url", f.db.URL)
+	if err != nil || !strings.Contains(out, bmcName) || !strings.Contains(out, "on, checked") {
+		t.Errorf("machine show after status: %v\n%s", err, out)
+	}
+	out, err = run(t, "machine", "show", f.m.String(), "-o", "json", "--database-url", f.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Power *struct {
+			BMC, State, Error string
+			StateAt           *time.Time `json:"state_at"`
+		} `json:"power"`
+	}
+	if err := json.Unmarshal([]byte(out), &d); err != nil || d.Power == nil || d.Power.BMC != bmcName || d.Power.State != "on" ||
+		d.Power.StateAt == nil || d.Power.Error != "" {
+		t.Errorf("machine show -o json power = %+v (%v)\n%s", d.Power, err, out)
+	}
+	// A machine never checked says how to check it.
+	out, err = run(t, "machine", "show", f.noBMC.String(), "--database-url", f.db.URL)
+	if err != nil || !strings.Contains(out, "never checked (shepherd machine power status "+f.noBMC.String()+")") {
+		t.Errorf("machine show of a machine never checked: %v\n%s", err, out)
+	}
+}
+
+// TestMachinePowerActions: off asks first and does nothing unless told
+// yes; off, on and cycle switch the real BMC under a Power hold whose
+// history names the operator (Started) and the states (Finished).
+func TestMachinePowerActions(t *testing.T) {
+	fastPower(t)
+	f := newPowerFixture(t)
+	bmcName := "ipmi://" + f.bmc.Username + "@" + f.bmc.Addr.String()
+
+	for _, answer := range []string{"", "n\n", "no\n"} {
+		out, err := f.power(t, answer, "off", f.m.String())
+		if err == nil || !strings.Contains(err.Error(), "not confirmed; nothing done") ||
+			!strings.Contains(out, "Power off machine "+f.m.String()+" (static m3) through "+bmcName+"?") ||
+			!strings.Contains(out, "The machine stops at once, without a shutdown.") {
+			t.Errorf("off answered %q: %v\n%s", answer, err, out)
+		}
+	}
+	if s := f.state(t); s != power.On {
+		t.Fatalf("a refused off left the machine %s", s)
+	}
+	if c := f.calls(t); slices.ContainsFunc(c, func(s string) bool { return strings.HasPrefix(s, "set") }) {
+		t.Errorf("a refused off sent %v", c)
+	}
+	if n := historyCount(t, f.db); n != 0 {
+		t.Fatalf("a refused off wrote %d history rows", n)
+	}
+
+	operator := "by " + operator() + " with the shepherd CLI"
+	want := []string{}
+	for _, step := range []struct {
+		answer string
+		args   []string
+		state  power.State
+		cause  string
+	}{
+		{"", []string{"off", "--yes"}, power.Off, "power off: found on, now off"},
+		{"", []string{"off", "-y"}, power.Off, "power off: found off, now off"},
+		{"", []string{"on"}, power.On, "power on: found off, now on"},
+		{"y\n", []string{"cycle"}, power.On, "power cycle: found on, now on"},
+	} {
+		before := len(f.calls(t))
+		out, err := f.power(t, step.answer, append(step.args, f.m.String())...)
+		if err != nil || !strings.Contains(out, step.cause) {
+			t.Fatalf("machine power %v: %v\n%s", step.args, err, out)
+		}
+		if s := f.state(t); s != step.state {
+			t.Errorf("after %v the BMC reports %s, want %s", step.args, s, step.state)
+		}
+		if strings.Contains(out, f.bmc.Password.Reveal()) {
+			t.Errorf("machine power %v printed the BMC password:\n%s", step.args, out)
+		}
+		action := step.args[0]
+		want = append(want, "Power Started power "+action+" "+operator, "Power Finished "+step.cause)
+		if diff := cmp.Diff(want, bmdbtest.History(t, f.db, f.m)); diff != "" {
+			t.Errorf("history after %v (-want +got):\n%s", step.args, diff)
+		}
+		var sets []string
+		for _, c := range f.calls(t)[before:] {
+			if strings.HasPrefix(c, "set power") {
+				sets = append(sets, c)
+			}
+		}
+		wantSets := map[string][]string{"off": {"set power 0"}, "on": {"set power 1"}, "cycle": {"set power 0", "set power 1"}}[action]
+		if step.cause == "power off: found off, now off" {
+			wantSets = []string{"set power 0"} // sent again: already off is no error
+		}
+		if diff := cmp.Diff(wantSets, sets); diff != "" {
+			t.Errorf("power commands of %v (-want +got):\n%s", step.args, diff)
+		}
+		out, err = run(t, "machine", "show", f.m.String(), "--database-url", f.db.URL)
+		if err != nil || !strings.Contains(out, string(step.state)+", checked") || strings.Contains(out, "Last check") {
+			t.Errorf("machine show after %v: %v\n%s", step.args, err, out)
+		}
+	}
+	if n := bmdbtest.Scalar[int64](t, f.db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows after the actions ended", n)
+	}
+}
+
+// TestMachinePowerFailures: a refused password fails the action with class
+// auth in the error and in history, and leaves the machine as it was; a
+// machine another process holds is refused before the BMC is asked; a
+// machine without a bmc block, of another provider, or not named right is
+// refused with what to do.
+func TestMachinePowerFailures(t *testing.T) {
+	fastPower(t)
+	f := newPowerFixture(t)
+	if out, err := f.power(t, "", "status", f.m.String()); err != nil {
+		t.Fatalf("status: %v\n%s", err, out)
+	}
+
+	// Another process holds the machine: nothing is done.
+	s := bmdbtest.Session(t, f.db, "initializer", time.Minute)
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("static"))
+	if err != nil || w.MachineID != f.m {
+		t.Fatalf("claiming %s for agent start: %v, %v", f.m, w, err)
+	}
+	calls := f.calls(t)
+	out, err := f.power(t, "", "off", "--yes", f.m.String())
+	if err == nil || !strings.Contains(err.Error(), "held by AgentStart") || !strings.Contains(err.Error(), "nothing done") {
+		t.Errorf("off of a machine agent start holds: %v\n%s", err, out)
+	}
+	if got := f.calls(t); !slices.Equal(got, calls) || f.state(t) != power.On {
+		t.Errorf("off of a busy machine reached the BMC: calls %v, then %v; state %s", calls, got, f.state(t))
+	}
+	if diff := cmp.Diff([]string{"AgentStart Started"}, bmdbtest.History(t, f.db, f.m)); diff != "" {
+		t.Errorf("history after a refused off (-want +got):\n%s", diff)
+	}
+	if err := w.Cancel(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+
+	// A wrong password: class auth, history Failed, the machine untouched.
+	if err := os.WriteFile(f.pwFile, []byte("wrong-password\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err = f.power(t, "", "off", "--yes", f.m.String())
+	if err == nil || !strings.Contains(err.Error(), "class auth") {
+		t.Fatalf("off with a wrong password: %v, want class auth\n%s", err, out)
+	}
+	if strings.Contains(out+err.Error(), "wrong-password") || strings.Contains(out+err.Error(), f.bmc.Password.Reveal()) {
+		t.Errorf("the failure printed a password: %v\n%s", err, out)
+	}
+	if s := f.state(t); s != power.On {
+		t.Errorf("a refused login left the machine %s", s)
+	}
+	h := bmdbtest.History(t, f.db, f.m)
+	if len(h) != 4 || !strings.HasPrefix(h[2], "Power Started power off by ") ||
+		!strings.HasPrefix(h[3], "Power Failed power off failed (class auth): ") {
+		t.Errorf("history after the refused login: %q", h)
+	}
+	if _, err := f.db.GetBackoff(t.Context(), f.m, bmdb.ProcessPower); err == nil {
+		t.Error("a failed power action backed the machine off")
+	}
+	out, err = run(t, "machine", "show", f.m.String(), "--database-url", f.db.URL)
+	if err != nil || !strings.Contains(out, "on, checked") || !strings.Contains(out, "class auth") {
+		t.Errorf("machine show after the refused login: %v\n%s", err, out)
+	}
+	out, err = f.power(t, "", "status", f.m.String())
+	if err == nil || !strings.Contains(err.Error(), "class auth") {
+		t.Errorf("status with a wrong password: %v\n%s", err, out)
+	}
+
+	// Refused before anything is done.
+	unknown := uuid.NewString()
+	for name, c := range map[string]struct {
+		args []string
+		want string
+	}{
+		"no bmc block":    {[]string{"status", f.noBMC.String()}, "machine " + f.noBMC.String() + " (static m4) has no BMC: add a bmc: block"},
+		"no bmc, off":     {[]string{"off", "--yes", f.noBMC.String()}, "has no BMC: add a bmc: block"},
+		"other provider":  {[]string{"on", f.other.String()}, `belongs to provider "lab"`},
+		"unknown action":  {[]string{"reboot", f.m.String()}, `"reboot" is not a power action: use status, on, off, cycle`},
+		"not a uuid":      {[]string{"on", "m3"}, `machine id "m3" is not a UUID`},
+		"unknown machine": {[]string{"on", unknown}, "machine " + unknown + " does not exist"},
+		"no timeout":      {[]string{"on", f.m.String(), "--timeout", "0s"}, "--timeout must be positive"},
+	} {
+		before := historyCount(t, f.db)
+		out, err := f.power(t, "", c.args...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q\n%s", name, err, c.want, out)
+		}
+		if n := historyCount(t, f.db); n != before {
+			t.Errorf("%s wrote %d history rows", name, n-before)
+		}
+	}
+	if s := f.state(t); s != power.On {
+		t.Errorf("the refusals left the machine %s", s)
+	}
+	out, err = runWithInput(t, "", "machine", "power", "on", f.m.String(), "--database-url", f.db.URL)
+	if err == nil || !strings.Contains(err.Error(), "--provider is required") {
+		t.Errorf("power without --provider: %v\n%s", err, out)
+	}
+	out, err = runWithInput(t, "", "machine", "power", "on", f.m.String(), "--provider", "nope", "--database-url", f.db.URL)
+	if err == nil || !strings.Contains(err.Error(), `unknown provider "nope"`) {
+		t.Errorf("power with an unknown provider: %v\n%s", err, out)
+	}
+}
