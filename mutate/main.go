@@ -60,9 +60,10 @@ var targets = []target{
 	{dir: "power/ipmi"},
 	{dir: "power/redfish"},
 	// bmdb's whole suite takes minutes per mutant; the tests of sessions,
-	// work and backoff judge these files.
+	// work and backoff judge these files (TestHold: work.go's claim loop,
+	// FinishWithCause and FailWithoutBackoff serve Hold too).
 	{dir: "bmdb", only: []string{"backoff.go", "session.go", "work.go"},
-		run: "^(TestBackoff|TestJitter|TestParseBackoff|TestSession|TestWork|TestMutualExclusion|TestKeepSession|TestCrash|TestEnd|TestAmbiguous|TestReconciliation|TestFailStores|TestUnavailable|TestDeleteSessions|TestConcurrentWorkers|TestPostgresRestart|TestTransact|TestProcessesMatchDatabase)"},
+		run: "^(TestBackoff|TestJitter|TestParseBackoff|TestSession|TestWork|TestMutualExclusion|TestKeepSession|TestCrash|TestEnd|TestAmbiguous|TestReconciliation|TestFailStores|TestUnavailable|TestDeleteSessions|TestConcurrentWorkers|TestPostgresRestart|TestTransact|TestProcessesMatchDatabase|TestHold)"},
 	// manager, in parts: its whole suite takes 100 s of CPU per mutant.
 	{dir: "manager", only: []string{"loop.go", "limit.go", "metrics.go"},
 		run: "^(TestRunner|TestJitter|TestSleep|TestRetryEnd|TestWorkEnd|TestWorkHeld|TestParseLimit|TestLimitFlag|TestDefaults|TestProvisionerConfig|TestProvisionerLimits|TestProvisionerRun|TestJanitorRun|TestUpdaterRun|TestUpdaterWait|TestBreaker)"},
