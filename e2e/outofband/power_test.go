@@ -153,6 +153,9 @@ func (n *node) waitSSH(t *testing.T, when string) {
 	t.Helper()
 	eventually.Holds(t, bootTimeout, n.id+": SSH with the pinned host key "+when, func(ctx context.Context) (bool, error) {
 		err := n.sshWorks(ctx, t)
+		if errors.Is(err, sshx.ErrHostKeyMismatch) {
+			t.Fatalf("%s: SSH %s: %v", n.id, when, err) // a machine that came back as another will not turn into itself
+		}
 		return err == nil, err
 	})
 }
