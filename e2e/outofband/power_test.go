@@ -173,9 +173,10 @@ func (n *node) startAgent(t *testing.T, c *ssh.Client) int {
 	if err != nil {
 		t.Fatalf("%s: starting the stand-in agent printed %q, want its pid", n.id, out)
 	}
-	if !n.m.Runs(pid) {
-		t.Fatalf("%s: the stand-in agent %d is not among the machine's processes %v", n.id, pid, n.m.Processes())
-	}
+	// Polled: the daemon may still be starting (see sshtest's Processes).
+	eventually.Holds(t, sshTimeout, fmt.Sprintf("%s: the stand-in agent %d among the machine's processes", n.id, pid), func(context.Context) (bool, error) {
+		return n.m.Runs(pid), nil
+	})
 	return pid
 }
 

@@ -156,16 +156,20 @@ func (m *Machine) PowerOn(ctx context.Context) error {
 
 // killAll sends SIGKILL to every process of the machine until none is left,
 // within stopTimeout. Processes started between two scans carry the mark
-// too, so each round finds them.
+// too, so a later scan finds them; it takes two scans in a row that find
+// none, pollInterval apart, because a scan can miss a process in the midst
+// of exec (see Processes).
 func (m *Machine) killAll(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, stopTimeout)
 	defer cancel()
 	tick := time.NewTicker(pollInterval)
 	defer tick.Stop()
-	for {
+	for empty := 0; empty < 2; {
 		pids := m.Processes()
 		if len(pids) == 0 {
-			return nil
+			empty++
+		} else {
+			empty = 0
 		}
 		for _, pid := range pids {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
@@ -176,11 +180,16 @@ func (m *Machine) killAll(ctx context.Context) error {
 		case <-tick.C:
 		}
 	}
+	return nil
 }
 
 // Processes returns the pids of the machine's live processes (zombies do
 // not count): those holding a TCP socket on its address, those carrying its
 // mark, and their descendants. It is empty while the machine is off.
+//
+// A process that is in the midst of exec has no environment for a moment,
+// so one that left the sessions' process tree (a daemon) can be missed by
+// one call: poll with a deadline for a process just started.
 func (m *Machine) Processes() []int {
 	procs := scanProcs()
 	sockets := socketsOn(m.Addr)
@@ -212,7 +221,8 @@ func (m *Machine) Processes() []int {
 	return out
 }
 
-// Runs reports whether pid is a live process of the machine.
+// Runs reports whether pid is a live process of the machine (with
+// Processes' caveat about a process just started).
 func (m *Machine) Runs(pid int) bool { return slices.Contains(m.Processes(), pid) }
 
 // proc is what Processes needs to know of one process.

@@ -2,6 +2,7 @@ package sshtest
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -14,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/internal/eventually"
 )
 
 // startDaemon starts a detached `sleep` on c the way an agent starts its
@@ -27,6 +30,15 @@ func startDaemon(t *testing.T, c *ssh.Client) int {
 		t.Fatalf("starting a daemon printed %q, want its pid", out)
 	}
 	return pid
+}
+
+// waitRuns waits until pid is among m's processes: a daemon just started
+// may be in the midst of exec, without its environment (see Processes).
+func waitRuns(t *testing.T, m *Machine, pid int) {
+	t.Helper()
+	eventually.Holds(t, 10*time.Second, fmt.Sprintf("process %d among the processes of %s", pid, m), func(context.Context) (bool, error) {
+		return m.Runs(pid), nil
+	})
 }
 
 // waitClosed waits up to 10 s for c's connection to end.
@@ -76,15 +88,16 @@ func TestMachinePowerOffAndOn(t *testing.T) {
 	if err := sess.Start("exec env -i sleep 300"); err != nil {
 		t.Fatal(err)
 	}
+	waitRuns(t, m, daemon)
 	var unmarked int
-	for _, pid := range m.Processes() {
-		if processAlive(pid, "sleep") && pid != daemon {
-			unmarked = pid
+	eventually.Holds(t, 10*time.Second, "the env -i sleep among the machine's processes", func(context.Context) (bool, error) {
+		for _, pid := range m.Processes() {
+			if processAlive(pid, "sleep") && pid != daemon {
+				unmarked = pid
+			}
 		}
-	}
-	if unmarked == 0 || !m.Runs(daemon) {
-		t.Fatalf("machine processes %v: want the daemon %d and the env -i sleep among them", m.Processes(), daemon)
-	}
+		return unmarked != 0, fmt.Errorf("machine processes: %v", m.Processes())
+	})
 
 	if err := m.PowerOff(t.Context()); err != nil {
 		t.Fatal(err)
@@ -134,6 +147,7 @@ func TestMachinesAreSeparate(t *testing.T) {
 	cfg := Config{AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}}
 	a, b := StartMachine(t, cfg), StartMachine(t, cfg)
 	daemon := startDaemon(t, mustDial(t, b.Host, key))
+	waitRuns(t, b, daemon)
 	if err := a.PowerOff(t.Context()); err != nil {
 		t.Fatal(err)
 	}
@@ -163,6 +177,7 @@ func TestMachinePowerCommands(t *testing.T) {
 	m := StartMachine(t, Config{AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
 	on, off := m.PowerCommands()
 	daemon := startDaemon(t, mustDial(t, m.Host, key))
+	waitRuns(t, m, daemon)
 
 	if out, err := runPowerCommand(t, off); err != nil {
 		t.Fatalf("power off command: %v: %s", err, out)
