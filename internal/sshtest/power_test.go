@@ -1,11 +1,13 @@
 package sshtest
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"os/exec"
 	"runtime"
 	"strconv"
@@ -29,6 +31,41 @@ func startDaemon(t *testing.T, c *ssh.Client) int {
 	if err != nil {
 		t.Fatalf("starting a daemon printed %q, want its pid", out)
 	}
+	return pid
+}
+
+// startUnmarked runs `sleep 300` with an empty environment in a session on
+// c that stays open, and returns its pid once it runs so.
+func startUnmarked(t *testing.T, c *ssh.Client) int {
+	t.Helper()
+	sess, err := c.NewSession()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := sess.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sess.Start("echo $$; exec env -i sleep 300"); err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reading the pid of the session's shell: %v", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatalf("the session's shell printed %q, want its pid", line)
+	}
+	// The shell execs env, which execs sleep: the pid stays.
+	eventually.Holds(t, 10*time.Second, fmt.Sprintf("process %d running sleep without an environment", pid), func(context.Context) (bool, error) {
+		cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil || string(cmdline) != "sleep\x00300\x00" {
+			return false, fmt.Errorf("cmdline %q: %v", cmdline, err)
+		}
+		environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+		return err == nil && len(environ) == 0, fmt.Errorf("environ %q: %v", environ, err)
+	})
 	return pid
 }
 
@@ -81,23 +118,9 @@ func TestMachinePowerOffAndOn(t *testing.T) {
 	daemon := startDaemon(t, c)
 	// A command that clears its environment loses the mark; it is still a
 	// descendant of the session, which is how power off finds it.
-	sess, err := c.NewSession()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sess.Start("exec env -i sleep 300"); err != nil {
-		t.Fatal(err)
-	}
+	unmarked := startUnmarked(t, c)
 	waitRuns(t, m, daemon)
-	var unmarked int
-	eventually.Holds(t, 10*time.Second, "the env -i sleep among the machine's processes", func(context.Context) (bool, error) {
-		for _, pid := range m.Processes() {
-			if processAlive(pid, "sleep") && pid != daemon {
-				unmarked = pid
-			}
-		}
-		return unmarked != 0, fmt.Errorf("machine processes: %v", m.Processes())
-	})
+	waitRuns(t, m, unmarked)
 
 	if err := m.PowerOff(t.Context()); err != nil {
 		t.Fatal(err)
