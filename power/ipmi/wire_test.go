@@ -19,6 +19,7 @@ import (
 	"github.com/bougou/go-ipmi/pkg/client"
 	"github.com/bougou/go-ipmi/pkg/types"
 
+	"github.com/shepherd/shepherd/internal/secret"
 	"github.com/shepherd/shepherd/power"
 )
 
@@ -189,5 +190,29 @@ func TestWireSocket(t *testing.T) {
 	w.closeConn()
 	if _, err := conn.Write([]byte{0}); !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("write after closeConn: error = %v, want net.ErrClosed", err)
+	}
+}
+
+// deadlinePassed is a context whose deadline has passed while its timer has
+// not fired yet: Err is still nil.
+type deadlinePassed struct{ context.Context }
+
+func (deadlinePassed) Deadline() (time.Time, bool) { return time.Now().Add(-time.Millisecond), true }
+
+// TestFailDeadlinePassed: a read that timed out at ctx's deadline a moment
+// before ctx's own timer fired (go-ipmi takes its read deadline from ctx) is
+// the deadline's doing: the error wraps context.DeadlineExceeded.
+func TestFailDeadlinePassed(t *testing.T) {
+	t.Parallel()
+	d := &Driver{spec: power.Spec{Driver: power.DriverIPMI, Address: "10.0.0.7", Username: "admin", Password: secret.New("pw")}}
+	var w wire
+	readErr := &net.OpError{Op: "read", Net: "udp", Err: timeoutErr{}}
+	w.observeErr(readErr)
+	err := d.fail(deadlinePassed{context.Background()}, "reading chassis status", &w, fmt.Errorf("exchange: %w", readErr))
+	if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, power.ErrUnreachable) {
+		t.Fatalf("fail() = %v, want ErrUnreachable and context.DeadlineExceeded", err)
+	}
+	if !strings.Contains(err.Error(), "no answer before the deadline") {
+		t.Errorf("fail() = %q, want it to say the deadline passed", err)
 	}
 }
