@@ -371,9 +371,50 @@ func unleash(ctx context.Context, c config, t target, out string, w io.Writer) e
 		goflags += " -run=" + t.run
 	}
 	cmd.Env = append(os.Environ(), "GOFLAGS="+strings.TrimSpace(goflags))
+	if c.diff != "" {
+		bin, err := relativeGit(t.dir)
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(bin)
+		// The last PATH in Env is the one the command gets.
+		cmd.Env = append(cmd.Env, "PATH="+bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	}
 	fmt.Fprintf(w, "mutate: %s %s\n", c.gremlins, strings.Join(args, " "))
 	if err := cmd.Run(); err != nil {
 		return fmt.Errorf("gremlins: %w", err)
 	}
 	return nil
+}
+
+// relativeGit returns a directory holding a git that gremlins runs instead of
+// the real one, so that --diff works on a package below the module root:
+// gremlins takes the changed lines from `git diff --merge-base REF`, which
+// names files from the repository root (bmdb/work.go), and looks them up by
+// their names within the package it mutates (work.go), so without this no
+// line ever counts as changed and every mutant is skipped. The wrapper adds
+// --relative=DIR/ to git diff, which names files from DIR and leaves out
+// the others; any other git command runs unchanged. The caller removes the
+// directory.
+func relativeGit(dir string) (string, error) {
+	real, err := exec.LookPath("git")
+	if err != nil {
+		return "", fmt.Errorf("-diff needs git: %w", err)
+	}
+	bin, err := os.MkdirTemp("", "shepherd-mutate-git-")
+	if err != nil {
+		return "", err
+	}
+	script := fmt.Sprintf("#!/bin/sh\nif [ \"$1\" = diff ]; then\n\tshift\n\texec %s diff --relative=%s/ \"$@\"\nfi\nexec %s \"$@\"\n",
+		shellQuote(real), shellQuote(path.Clean(dir)), shellQuote(real))
+	if err := os.WriteFile(filepath.Join(bin, "git"), []byte(script), 0o755); err != nil {
+		os.RemoveAll(bin)
+		return "", err
+	}
+	return bin, nil
+}
+
+// shellQuote quotes s for sh.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

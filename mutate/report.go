@@ -34,6 +34,9 @@ const (
 	statusNotCovered = "NOT COVERED"
 	statusTimedOut   = "TIMED OUT"
 	statusNotViable  = "NOT VIABLE"
+	// statusSkipped: outside the lines a -diff run mutates; judged by
+	// nothing, counted nowhere.
+	statusSkipped = "SKIPPED"
 )
 
 // equivalent is one line of mutate/equivalent.txt: a mutant that lives
@@ -157,6 +160,7 @@ func count(res result, dir string, eqs []equivalent, lines sourceLines) (tally, 
 				t.TimedOut++
 			case statusNotViable:
 				t.NotViable++
+			case statusSkipped:
 			case statusLived:
 				t.Lived++
 				if src == nil {

@@ -54,6 +54,9 @@ type sshdServer struct {
 	keyDir  string // host keys are ssh_host_<type>_key in it
 	pidPath string
 	akPath  string // authorized keys
+	// tag, if set, marks every command of the server's sessions with
+	// envMachine=tag (see Machine).
+	tag     string
 	logPath string
 	proc    *sshdProc // running sshd, nil when stopped
 }
@@ -102,7 +105,9 @@ func (s *sshdServer) start(ctx context.Context) error {
 		return err
 	}
 	_, err := onFreePort(s.h.Addr, func(addr netip.AddrPort) error {
-		s.h.Addr = addr
+		if s.h.Addr != addr { // a restart on the same port changes nothing that others read
+			s.h.Addr = addr
+		}
 		return s.startOnce(ctx)
 	})
 	return err
@@ -231,6 +236,9 @@ MaxStartups 200
 MaxSessions 100
 LogLevel VERBOSE
 `)
+	if s.tag != "" {
+		fmt.Fprintf(&b, "# Marks every process of this machine's sessions (sshtest.Machine).\nSetEnv %s=%s\n", envMachine, s.tag)
+	}
 	if s.opts.noPenalties {
 		b.WriteString("# Failed logins in tests must not get 127.0.0.1 blocked.\nPerSourcePenalties no\n")
 	}

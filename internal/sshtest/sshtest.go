@@ -34,6 +34,11 @@
 //     (Host.PasswordAttempts counts them), which is what tests of "was a
 //     secret sent to this server?" look at.
 //
+// Machine is an OpenSSH Host standing in for a whole machine whose power a
+// test cuts and restores, directly or through a simulated BMC's hook: power
+// off kills its sshd and everything its sessions started, power on starts
+// sshd again with the same address and host keys.
+//
 // Proxy puts a TCP forwarder in front of any server (an SSH Host, or
 // PostgreSQL) that a test can make go silent, as a machine does that resets
 // without closing its connections.

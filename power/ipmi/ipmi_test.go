@@ -3,7 +3,9 @@ package ipmi_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -527,4 +529,136 @@ func TestNew(t *testing.T) {
 	if _, err := ipmi.New(good); err != nil {
 		t.Fatalf("New(%s) error = %v", good, err)
 	}
+	// IPMI's limits themselves are allowed. (ipmi_sim cannot take
+	// credentials that long, so no test logs in with them: see ipmisim.Config.)
+	atLimits := good
+	atLimits.Username, atLimits.Password = strings.Repeat("u", 16), secret.New(strings.Repeat("p", 20))
+	if _, err := ipmi.New(atLimits); err != nil {
+		t.Fatalf("New() with a 16-byte username and a 20-byte password: error = %v", err)
+	}
+}
+
+// TestPasswordNeverInError: an error whose text happens to contain the
+// password (here a word that the error of a closed port has) is withheld,
+// and keeps its class.
+func TestPasswordNeverInError(t *testing.T) {
+	t.Parallel()
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := pc.LocalAddr().(*net.UDPAddr)
+	pc.Close()
+	spec := specAt(addr)
+	spec.Password = secret.New("refused")
+	err = newDriver(t, spec).Off(callCtx(t))
+	if !errors.Is(err, power.ErrUnreachable) {
+		t.Fatalf("Off() error = %v, want ErrUnreachable", err)
+	}
+	if strings.Contains(err.Error(), "refused") || !strings.Contains(err.Error(), "withheld") {
+		t.Fatalf("Off() error = %q, want its text withheld: it contains the password", err)
+	}
+}
+
+// udpSocketsTo counts this host's UDP sockets connected to addr
+// (/proc/net/udp lists them with their remote address).
+func udpSocketsTo(t *testing.T, addr netip.AddrPort) int {
+	t.Helper()
+	data, err := os.ReadFile("/proc/net/udp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addr.Addr().As4() // /proc/net/udp writes the address in host order (little endian)
+	want := fmt.Sprintf("%02X%02X%02X%02X:%04X", ip[3], ip[2], ip[1], ip[0], addr.Port())
+	n := 0
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		if f := strings.Fields(line); len(f) > 2 && f[2] == want {
+			n++
+		}
+	}
+	return n
+}
+
+// TestSocketClosed: a call closes its socket whether or not the BMC
+// opened a session: after a refused login as after a command.
+func TestSocketClosed(t *testing.T) {
+	t.Parallel()
+	bmc := ipmisim.Start(t, ipmisim.Config{})
+	wrongPassword := bmc.Spec()
+	wrongPassword.Password = secret.New("Wr0ng-Passw0rd-42")
+	unknownUser := bmc.Spec()
+	unknownUser.Username = "nobody"
+	for _, spec := range []power.Spec{wrongPassword, unknownUser, bmc.Spec()} {
+		_, err := newDriver(t, spec).State(callCtx(t))
+		if spec.Password.Reveal() == bmc.Password.Reveal() && spec.Username == bmc.Username {
+			if err != nil {
+				t.Fatalf("State() error = %v", err)
+			}
+		} else if !errors.Is(err, power.ErrAuth) {
+			t.Fatalf("State() as %s error = %v, want ErrAuth", spec.Username, err)
+		}
+		if n := udpSocketsTo(t, bmc.Addr); n != 0 {
+			t.Fatalf("after State() as %s, %d sockets to the BMC are open, want 0", spec.Username, n)
+		}
+	}
+}
+
+// TestBMCGoneInSetup: a BMC that goes away in the middle of session setup
+// (it answered the first request, then its port is closed) is
+// ErrUnreachable, though go-ipmi keeps only the text of session setup's
+// errors: the refusal is read off the socket.
+func TestBMCGoneInSetup(t *testing.T) {
+	t.Parallel()
+	bmc := ipmisim.Start(t, ipmisim.Config{})
+	proxy := relayOnce(t, bmc.Addr)
+	spec := bmc.Spec()
+	spec.Address, spec.Port = proxy.IP.String(), proxy.Port
+	start := time.Now()
+	_, err := newDriver(t, spec).State(callCtx(t))
+	if !errors.Is(err, power.ErrUnreachable) || !strings.Contains(err.Error(), "nothing listens") {
+		t.Fatalf("State() error = %v, want ErrUnreachable, nothing listens", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("State() took %s to find the BMC gone", d)
+	}
+}
+
+// relayOnce listens on a UDP port of its own, relays the first datagram it
+// gets to bmc and bmc's answer back, and then closes its port, as a BMC
+// that died after one answer.
+func relayOnce(t *testing.T, bmc netip.AddrPort) *net.UDPAddr {
+	t.Helper()
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, err := net.DialUDP("udp4", nil, net.UDPAddrFromAddrPort(bmc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer pc.Close()
+		defer up.Close()
+		buf := make([]byte, 2048)
+		n, from, err := pc.ReadFrom(buf)
+		if err != nil {
+			return
+		}
+		if _, err := up.Write(buf[:n]); err != nil {
+			return
+		}
+		_ = up.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if n, err = up.Read(buf); err != nil {
+			return
+		}
+		_, _ = pc.WriteTo(buf[:n], from)
+	}()
+	t.Cleanup(func() {
+		pc.Close()
+		up.Close()
+		<-done
+	})
+	return pc.LocalAddr().(*net.UDPAddr)
 }

@@ -1,14 +1,17 @@
 package redfish_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"maps"
 	"net"
 	"net/http"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -195,10 +198,22 @@ func TestRedundantReset(t *testing.T) {
 		if !errors.Is(err, power.ErrWrongState) {
 			t.Fatalf("On error = %v, want ErrWrongState", err)
 		}
-		if !strings.Contains(err.Error(), "Server is already powered ON.") {
-			t.Errorf("error %q lacks the BMC's message from @Message.ExtendedInfo", err)
+		// iDRAC's top-level message is a general one: the reason, with its
+		// id, is only in @Message.ExtendedInfo.
+		if !strings.Contains(err.Error(), "IDRAC.2.8.PSU501: Server is already powered ON.") {
+			t.Errorf("error %q lacks the BMC's message id and message from @Message.ExtendedInfo", err)
 		}
 		noSessionsLeft(t, b, "a refused On")
+	})
+	t.Run("ilo refuses with 400", func(t *testing.T) {
+		t.Parallel()
+		p := fakeredfish.OpenBMC()
+		p.RefuseRedundantReset, p.RedundantResetBadRequest = true, true // as HPE iLO does
+		b := startBMC(t, fakeredfish.Config{Profile: p})
+		err := newDriver(t, specFor(t, b, power.AuthAuto)).Off(callCtx(t))
+		if !errors.Is(err, power.ErrWrongState) || !strings.Contains(err.Error(), "HTTP 400") {
+			t.Fatalf("Off error = %v, want ErrWrongState from an HTTP 400", err)
+		}
 	})
 	t.Run("openbmc accepts", func(t *testing.T) {
 		t.Parallel()
@@ -366,7 +381,11 @@ func TestBusy(t *testing.T) {
 		})
 		firstErr := make(chan error, 1)
 		go func() { _, err := d.State(callCtx(t)); firstErr <- err }()
-		<-held
+		select {
+		case <-held:
+		case err := <-firstErr: // else this test would wait for held forever
+			t.Fatalf("the call meant to hold the slot ended before reading the system: %v", err)
+		}
 		_, err := d.State(callCtx(t))
 		close(release)
 		if !errors.Is(err, power.ErrBusy) || !strings.Contains(err.Error(), "SessionLimitExceeded") {
@@ -377,6 +396,117 @@ func TestBusy(t *testing.T) {
 		}
 		noSessionsLeft(t, b, "both calls")
 	})
+}
+
+// TestLoginAnswers: the session is found, used and logged out however the
+// BMC names it: a Location with a path (bmcweb), an absolute URL (HPE
+// iLO), or only the body's @odata.id; and a root that links the
+// SessionService but not Links.Sessions gets a login at the standard path.
+func TestLoginAnswers(t *testing.T) {
+	t.Parallel()
+	for name, mod := range map[string]func(p *fakeredfish.Profile){
+		"location path":       func(*fakeredfish.Profile) {},
+		"location absolute":   func(p *fakeredfish.Profile) { p.SessionLocation = fakeredfish.LocationAbsolute },
+		"body only":           func(p *fakeredfish.Profile) { p.SessionLocation = fakeredfish.LocationNone },
+		"no Links.Sessions":   func(p *fakeredfish.Profile) { p.NoSessionsLink = true },
+		"only SessionService": func(p *fakeredfish.Profile) { p.NoSessionsLink, p.SessionLocation = true, fakeredfish.LocationNone },
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			p := fakeredfish.OpenBMC()
+			mod(&p)
+			b := startBMC(t, fakeredfish.Config{Profile: p})
+			wantState(t, newDriver(t, specFor(t, b, power.AuthAuto)), power.Off)
+			if n := b.SessionsCreated(); n != 1 {
+				t.Fatalf("%d sessions created, want 1", n)
+			}
+			noSessionsLeft(t, b, "State")
+		})
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger and a test to share.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// TestLogout: a session is logged out with its token; a login answered
+// without a token fails (the driver cannot use the session) and logs the
+// session out with basic credentials. A logout the BMC answers 404 (the
+// session is already gone) is no failure: nothing is logged. One it
+// refuses (503) does not fail the call, which did its work, but is logged
+// as a warning naming the session, without its token.
+func TestLogout(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		noToken  bool                   // the BMC sends no X-Auth-Token
+		atLogout func(*fakeredfish.BMC) // called as the logout arrives
+		wantErr  string                 // in State's error; "" for none
+		wantWarn bool
+		wantLeft int // sessions left open
+	}{
+		{name: "token"},
+		{name: "no token", noToken: true, wantErr: "no X-Auth-Token"},
+		{name: "no token, session gone", noToken: true, atLogout: (*fakeredfish.BMC).ExpireSessions, wantErr: "no X-Auth-Token"},
+		{name: "busy", atLogout: func(b *fakeredfish.BMC) { b.FailNext(1) }, wantWarn: true, wantLeft: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := startBMC(t, fakeredfish.Config{Profile: fakeredfish.OpenBMC()})
+			b.OmitTokens(tc.noToken)
+			var logouts atomic.Int32
+			b.HangRequests(func(r *http.Request) bool {
+				if r.Method == http.MethodDelete {
+					logouts.Add(1)
+					if tc.atLogout != nil {
+						tc.atLogout(b)
+					}
+				}
+				return false
+			})
+			var log syncBuffer
+			d, err := redfish.New(specFor(t, b, power.AuthSession), redfish.WithLogger(slog.New(slog.NewTextHandler(&log, nil))))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = d.State(callCtx(t))
+			if tc.wantErr == "" && err != nil || tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
+				t.Fatalf("State error = %v, want %q", err, tc.wantErr)
+			}
+			if n := logouts.Load(); n != 1 {
+				t.Fatalf("%d logouts, want 1", n)
+			}
+			if n := b.OpenSessions(); n != tc.wantLeft {
+				t.Errorf("%d sessions left open, want %d", n, tc.wantLeft)
+			}
+			got := log.String()
+			if warned := strings.Contains(got, "logging out of the BMC failed"); warned != tc.wantWarn {
+				t.Fatalf("warned = %v, want %v; log:\n%s", warned, tc.wantWarn, got)
+			}
+			if tc.wantWarn {
+				if !strings.Contains(got, "session=/redfish/v1/SessionService/Sessions/1") || !strings.Contains(got, "503") {
+					t.Errorf("warning does not name the session and the BMC's answer:\n%s", got)
+				}
+				if tok := b.Tokens(); len(tok) != 1 || strings.Contains(got, tok[0]) {
+					t.Errorf("tokens %v: want one, not in the log:\n%s", tok, got)
+				}
+			}
+		})
+	}
 }
 
 // TestContextEndsCallAndLogsOut: a BMC that stops answering after login

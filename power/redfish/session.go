@@ -189,10 +189,18 @@ func (c *call) requestCtx(ctx context.Context, method, path string, payload []by
 	if headers != nil {
 		headers(resp.Header)
 	}
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+	if !success(resp.StatusCode) {
 		return nil, httpError(resp.StatusCode, data)
 	}
 	return data, nil
+}
+
+// success reports whether status is of the 2xx class. Each is a success,
+// whichever it is (RFC 9110 §15: a client treats a 2xx it does not know as
+// 200): BMCs answer a login with 200 or 201 and a logout with 200, 202 or
+// 204.
+func success(status int) bool {
+	return status >= 200 && status <= 299
 }
 
 // close logs out the session if the call opened one and closes the

@@ -122,6 +122,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -244,11 +245,14 @@ func newProvider(cfg Config, lookupEnv func(string) (string, bool)) (*Provider, 
 }
 
 // factoryKeys are the keys of the Factory's configuration, for messages.
-const factoryKeys = "inventory, name, reload_interval, ssh_timeout"
+const factoryKeys = "inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts"
 
 // Factory is the provider.Factory for the registry: config is YAML
 // {inventory: PATH, name: NAME, reload_interval: 5s, ssh_timeout: 30s}
-// (unknown keys rejected). Only inventory is required.
+// (unknown keys rejected). Only inventory is required. The keys
+// bmc_min_interval, bmc_call_timeout, bmc_settle and bmc_attempts set
+// Config.Power (power.Config), for BMCs that need slower pacing than the
+// defaults or tolerate faster.
 func Factory(_ context.Context, env provider.Env, config []byte) (provider.Provider, error) {
 	cfg, err := parseFactoryConfig(config)
 	if err != nil {
@@ -294,6 +298,14 @@ func parseFactoryConfig(config []byte) (Config, error) {
 			cfg.ReloadInterval, err = time.ParseDuration(v.Value)
 		case "ssh_timeout":
 			cfg.SSHTimeout, err = time.ParseDuration(v.Value)
+		case "bmc_min_interval":
+			cfg.Power.MinInterval, err = time.ParseDuration(v.Value)
+		case "bmc_call_timeout":
+			cfg.Power.CallTimeout, err = time.ParseDuration(v.Value)
+		case "bmc_settle":
+			cfg.Power.Settle, err = time.ParseDuration(v.Value)
+		case "bmc_attempts":
+			cfg.Power.Attempts, err = strconv.Atoi(v.Value)
 		default:
 			return cfg, fmt.Errorf("static: config line %d: unknown key %q (known: %s)", k.Line, k.Value, factoryKeys)
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/provider/providertest"
 )
@@ -184,12 +185,13 @@ func TestFactory(t *testing.T) {
 	writeFile(t, path, "machines:\n  - id: a\n    address: 10.0.0.1\n")
 	reg := prometheus.NewRegistry()
 	p, err := Factory(t.Context(), provider.Env{Registerer: reg},
-		fmt.Appendf(nil, "inventory: %s\nname: lab\nreload_interval: 10ms\nssh_timeout: 1m\n", path))
+		fmt.Appendf(nil, "inventory: %s\nname: lab\nreload_interval: 10ms\nssh_timeout: 1m\nbmc_min_interval: 1s\nbmc_call_timeout: 20s\nbmc_settle: 2m\nbmc_attempts: 5\n", path))
 	if err != nil {
 		t.Fatal(err)
 	}
 	sp := p.(*Provider)
-	if sp.Name() != "lab" || sp.cfg.ReloadInterval != 10*time.Millisecond || sp.cfg.SSHTimeout != time.Minute {
+	if sp.Name() != "lab" || sp.cfg.ReloadInterval != 10*time.Millisecond || sp.cfg.SSHTimeout != time.Minute ||
+		sp.cfg.Power != (power.Config{MinInterval: time.Second, CallTimeout: 20 * time.Second, Settle: 2 * time.Minute, Attempts: 5}) {
 		t.Errorf("Factory config = %+v", sp.cfg)
 	}
 	if v := metricValue(t, reg, "shepherd_static_inventory_machines"); v != 1 {
@@ -206,11 +208,13 @@ func TestFactory(t *testing.T) {
 	for _, tt := range []struct{ config, want string }{
 		{"", "static: Inventory is required"},
 		{"# nothing\n", "static: Inventory is required"},
-		{"inventory: x\nreload: 5s\n", `static: config line 2: unknown key "reload" (known: inventory, name, reload_interval, ssh_timeout)`},
+		{"inventory: x\nreload: 5s\n", `static: config line 2: unknown key "reload" (known: inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts)`},
+		{"inventory: x\nbmc_attempts: many\n", `static: config line 2: bmc_attempts: strconv.Atoi: parsing "many": invalid syntax`},
+		{"inventory: x\nbmc_settle: -1s\n", "static: power settle -1s: want 0 (default 1m0s) or more"},
 		{"inventory: x\nssh_timeout: soon\n", `static: config line 2: ssh_timeout: time: invalid duration "soon"`},
 		{"inventory: x\nreload_interval: -1s\n", "static: ReloadInterval must be >= 0 (0 = default), got -1s"},
 		{"inventory: x\ninventory: y\n", "static: config line 2: inventory given twice (first at line 1)"},
-		{"- inventory\n", "static: config line 1: want a mapping with keys inventory, name, reload_interval, ssh_timeout"},
+		{"- inventory\n", "static: config line 1: want a mapping with keys inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts"},
 		{"inventory: [x\n", "static: config: line 1: did not find expected ',' or ']'"},
 	} {
 		_, err := Factory(t.Context(), provider.Env{}, []byte(tt.config))

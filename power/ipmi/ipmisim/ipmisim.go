@@ -58,9 +58,13 @@ const RequireScript = "scripts/require-openipmi"
 // that is off, with user "shepherd" and a random password, whose power
 // commands only record the state.
 type Config struct {
-	// Username is the IPMI user; default "shepherd". At most 16 bytes.
+	// Username is the IPMI user; default "shepherd". At most 15 bytes,
+	// one less than IPMI allows: ipmi_sim (OpenIPMI 2.0.33) takes a
+	// 16-byte name from lan.conf but never lets it log in.
 	Username string
-	// Password is the user's password; default random. At most 20 bytes.
+	// Password is the user's password; default random. At most 19 bytes,
+	// one less than IPMI allows: with a 20-byte password in lan.conf
+	// ipmi_sim answers nothing at all.
 	Password string
 	// On is the machine's power state at start; default off. The
 	// PowerOn command is not run for it.
@@ -116,8 +120,8 @@ func Start(t testing.TB, cfg Config) *BMC {
 	if cfg.Password == "" {
 		cfg.Password = randomPassword(t)
 	}
-	if len(cfg.Username) > 16 || len(cfg.Password) > 20 {
-		t.Fatalf("ipmisim: username (%d bytes) must be at most 16, password (%d bytes) at most 20", len(cfg.Username), len(cfg.Password))
+	if len(cfg.Username) > 15 || len(cfg.Password) > 19 {
+		t.Fatalf("ipmisim: username (%d bytes) must be at most 15, password (%d bytes) at most 19: ipmi_sim fails with IPMI's own limits", len(cfg.Username), len(cfg.Password))
 	}
 	for _, s := range []string{cfg.Username, cfg.Password} {
 		if strings.ContainsAny(s, "\" \t\n\\") {

@@ -15,10 +15,11 @@
 //
 // Profiles reproduce the differences between vendors that matter to a power
 // driver (session service or none, TLS 1.2 only, which reset types are
-// allowed, how a redundant reset is answered), and fault injection
+// allowed, how a redundant reset is answered, how a login names its
+// session, whether a body must be labelled JSON), and fault injection
 // reproduces what BMCs in service do: answer 503 for a while, accept a
 // reset and drop it, take seconds to power off, run out of session slots,
-// or never answer at all.
+// expire sessions, or never answer at all.
 package fakeredfish
 
 import (
@@ -97,6 +98,7 @@ type BMC struct {
 	dropResets      bool
 	hang            func(*http.Request) bool
 	echo            bool
+	omitTokens      bool
 	tokens          []string // every session token issued
 }
 
@@ -288,6 +290,24 @@ func (b *BMC) SetMaxSessions(n int) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.cfg.Profile.MaxSessions = n
+}
+
+// ExpireSessions ends every open session, as a BMC does when a session's
+// timeout passes or the BMC restarts: a later request with its token is
+// 401, and a logout of it with basic credentials is 404.
+func (b *BMC) ExpireSessions() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	clear(b.sessions)
+}
+
+// OmitTokens makes logins create the session but answer without the
+// X-Auth-Token header, as broken firmware does: a client can log the
+// session out only with basic credentials.
+func (b *BMC) OmitTokens(omit bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.omitTokens = omit
 }
 
 // HangRequests makes every request for which match returns true go

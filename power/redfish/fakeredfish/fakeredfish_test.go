@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -42,6 +43,9 @@ func do(t *testing.T, c *http.Client, b *fakeredfish.BMC, method, path, user, pa
 	req, err := http.NewRequestWithContext(t.Context(), method, b.URL()+path, rd)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
 	}
 	if user != "" {
 		req.SetBasicAuth(user, password)
@@ -97,6 +101,45 @@ func TestErrorsAreRedfishErrors(t *testing.T) {
 	if err := json.Unmarshal(body, &e); err != nil || e.Error.Code != "Base.1.16.ResourceAtUriUnauthorized" ||
 		e.Error.Message == "" || len(e.Error.Info) != 1 || e.Error.Info[0].MessageID != e.Error.Code {
 		t.Fatalf("body %s (decode error %v) is not a Redfish error", body, err)
+	}
+}
+
+// TestRequireJSONContentType: OpenBMC, like bmcweb, refuses a body not sent
+// as application/json with 400 UnrecognizedRequestBody, login included, and
+// accepts one with a charset.
+func TestRequireJSONContentType(t *testing.T) {
+	t.Parallel()
+	b := start(t, fakeredfish.Config{Profile: fakeredfish.OpenBMC()})
+	c := client(t, b)
+	login := func(contentType string) (int, []byte) {
+		t.Helper()
+		body := `{"UserName":"` + b.Username() + `","Password":"` + b.Password() + `"}`
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, b.URL()+"/redfish/v1/SessionService/Sessions", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if contentType != "" {
+			req.Header.Set("Content-Type", contentType)
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var buf bytes.Buffer
+		_, _ = buf.ReadFrom(resp.Body)
+		return resp.StatusCode, buf.Bytes()
+	}
+	for _, ct := range []string{"", "text/plain"} {
+		if st, body := login(ct); st != http.StatusBadRequest || !bytes.Contains(body, []byte("UnrecognizedRequestBody")) {
+			t.Errorf("login with Content-Type %q: status %d %s, want 400 UnrecognizedRequestBody", ct, st, body)
+		}
+	}
+	if st, body := login("application/json; charset=utf-8"); st != http.StatusCreated {
+		t.Errorf("login as application/json: status %d %s, want 201", st, body)
+	}
+	if n := b.SessionsCreated(); n != 1 {
+		t.Errorf("%d sessions created, want 1", n)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"mime"
 	"net/http"
 	"slices"
 	"strings"
@@ -212,7 +213,9 @@ func (b *BMC) serviceRoot() map[string]any {
 	}
 	if b.cfg.Profile.SessionService {
 		root["SessionService"] = odataLink(sessionServicePath)
-		root["Links"] = map[string]any{"Sessions": odataLink(sessionsPath)}
+		if !b.cfg.Profile.NoSessionsLink {
+			root["Links"] = map[string]any{"Sessions": odataLink(sessionsPath)}
+		}
 	}
 	return root
 }
@@ -263,8 +266,7 @@ func (b *BMC) system() map[string]any {
 // the read-only properties they are here.
 func (b *BMC) patchSystem(w http.ResponseWriter, r *http.Request) {
 	var body map[string]json.RawMessage
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
-		b.malformed(w, r)
+	if !b.readJSON(w, r, &body) {
 		return
 	}
 	for k := range body {
@@ -309,6 +311,25 @@ func (b *BMC) patchSystem(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// readJSON decodes r's body into v, and answers 400 if it cannot: the body
+// is not JSON, or, with the profile's RequireJSONContentType, not sent as
+// application/json (bmcweb's UnrecognizedRequestBody).
+func (b *BMC) readJSON(w http.ResponseWriter, r *http.Request, v any) bool {
+	if b.cfg.Profile.RequireJSONContentType {
+		if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
+			b.writeError(w, r, http.StatusBadRequest, "UnrecognizedRequestBody",
+				"The service detected a malformed request body that it was unable to interpret.",
+				"Correct the request body and resubmit the request if it failed.")
+			return false
+		}
+	}
+	if err := json.NewDecoder(r.Body).Decode(v); err != nil {
+		b.malformed(w, r)
+		return false
+	}
+	return true
+}
+
 func (b *BMC) malformed(w http.ResponseWriter, r *http.Request) {
 	b.writeError(w, r, http.StatusBadRequest, "MalformedJSON",
 		"The request body submitted was malformed JSON and could not be parsed by the receiving service.",
@@ -328,8 +349,7 @@ func (b *BMC) valueNotInList(w http.ResponseWriter, r *http.Request, value, prop
 func (b *BMC) reset(w http.ResponseWriter, r *http.Request) {
 	const action = "#ComputerSystem.Reset"
 	var body struct{ ResetType *string }
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
-		b.malformed(w, r)
+	if !b.readJSON(w, r, &body) {
 		return
 	}
 	if body.ResetType == nil {
@@ -369,7 +389,11 @@ func (b *BMC) reset(w http.ResponseWriter, r *http.Request) {
 	if want == on && !cycle {
 		if b.cfg.Profile.RefuseRedundantReset {
 			b.mu.Unlock()
-			if on {
+			if b.cfg.Profile.RedundantResetBadRequest {
+				b.writeError(w, r, http.StatusBadRequest, "iLO.2.14.InvalidOperationForSystemState",
+					"The operation was not successful due to the current power state (for example, attempting to turn the power off when it is already off).",
+					"Verify that the system is in the correct power state, and then retry the operation.")
+			} else if on {
 				b.writeError(w, r, http.StatusConflict, "IDRAC.2.8.PSU501", "Server is already powered ON.",
 					"No response action is required.")
 			} else {
@@ -440,13 +464,12 @@ func (b *BMC) sessionResource(id string) map[string]any {
 	}
 }
 
-// login creates a session: 201 with X-Auth-Token, Location and the Session
-// resource; 401 for wrong credentials; 503 SessionLimitExceeded when every
+// login creates a session: 201 with X-Auth-Token, Location (as the
+// profile's SessionLocation says) and the Session resource; 401 for wrong credentials; 503 SessionLimitExceeded when every
 // slot is taken.
 func (b *BMC) login(w http.ResponseWriter, r *http.Request) {
 	var body struct{ UserName, Password string }
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
-		b.malformed(w, r)
+	if !b.readJSON(w, r, &body) {
 		return
 	}
 	if !b.checkCredentials(body.UserName, body.Password) {
@@ -471,9 +494,18 @@ func (b *BMC) login(w http.ResponseWriter, r *http.Request) {
 	b.sessions[tok] = id
 	b.sessionsCreated++
 	b.tokens = append(b.tokens, tok)
+	omit := b.omitTokens
 	b.mu.Unlock()
-	w.Header().Set("X-Auth-Token", tok)
-	w.Header().Set("Location", sessionPath(id))
+	if !omit {
+		w.Header().Set("X-Auth-Token", tok)
+	}
+	switch b.cfg.Profile.SessionLocation {
+	case LocationNone:
+	case LocationAbsolute:
+		w.Header().Set("Location", "https://"+r.Host+sessionPath(id))
+	default:
+		w.Header().Set("Location", sessionPath(id))
+	}
 	writeJSON(w, http.StatusCreated, b.sessionResource(id))
 }
 

@@ -39,20 +39,45 @@ type Profile struct {
 	// heading to ("Server is already powered ON."). Otherwise such a reset
 	// succeeds and changes nothing, as on OpenBMC.
 	RefuseRedundantReset bool
+	// RedundantResetBadRequest, with RefuseRedundantReset, refuses with 400
+	// Bad Request and HPE iLO's InvalidOperationForSystemState instead of
+	// iDRAC's 409.
+	RedundantResetBadRequest bool
 	// GeneralErrorCode answers errors as iDRAC does: the error's code and
 	// message are Base's GeneralError ("See ExtendedInfo for more
 	// information") and the specific message is only in
 	// @Message.ExtendedInfo. Otherwise, as bmcweb does, they are those of
 	// the one message.
 	GeneralErrorCode bool
+	// RequireJSONContentType refuses a request with a body (POST, PATCH)
+	// whose Content-Type is not application/json with 400
+	// UnrecognizedRequestBody, as bmcweb does, login included.
+	RequireJSONContentType bool
+	// SessionLocation is how a login names the new session: "" (the
+	// default) in a Location header with the URI's path and in the body's
+	// @odata.id; LocationAbsolute with an absolute URL in Location
+	// (https://host:port/redfish/v1/...), as HPE iLO does; LocationNone in
+	// the body only, with no Location header, as some firmware does.
+	SessionLocation string
+	// NoSessionsLink leaves Links.Sessions out of the service root, which
+	// still links the SessionService, as some older firmware does: a client
+	// must find the sessions collection at its standard path.
+	NoSessionsLink bool
 }
 
+// Values of Profile.SessionLocation.
+const (
+	LocationAbsolute = "absolute"
+	LocationNone     = "none"
+)
+
 // OpenBMC is an OpenBMC (bmcweb) BMC: sessions, TLS 1.2 and 1.3, the full
-// set of reset types, and a redundant reset is a successful no-op.
+// set of reset types, a redundant reset is a successful no-op, and a body
+// must be sent as application/json.
 func OpenBMC() Profile {
 	return Profile{
 		Name: "openbmc", Vendor: "OpenBMC", Product: "bmcweb", SystemID: "system",
-		SessionService: true,
+		SessionService: true, RequireJSONContentType: true,
 		ResetTypes: []string{"On", "ForceOff", "ForceOn", "ForceRestart", "GracefulRestart",
 			"GracefulShutdown", "PowerCycle", "Nmi"},
 	}
