@@ -30,14 +30,6 @@ const (
 
 var powerActions = []string{powerStatus, powerOn, powerOff, powerCycle}
 
-// powerProviders is the registry `machine power` builds its provider from.
-// It is a variable only for the tests, which swap in a static provider whose
-// BMC calls are paced 10 ms apart instead of power.DefaultMinInterval: the
-// provider's power.Config comes neither from provider.Env nor from the static
-// provider's YAML, and at 5 s between calls the tests of a dozen actions
-// against a real BMC would take minutes.
-var powerProviders = providers
-
 // powerSettle bounds how long on and off wait for the BMC to report the
 // state they asked for, polling at the BMC's pace; power.Controller's Cycle
 // waits as long (power.DefaultSettle) before it sends a command again.
@@ -83,7 +75,7 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 			}
 			if f.provider == "" {
 				return fmt.Errorf("--provider is required: the provider of the machine (%s), with --provider-config as for shepherd run",
-					strings.Join(powerProviders().Names(), ", "))
+					strings.Join(providers().Names(), ", "))
 			}
 			var config []byte
 			if f.providerConfig != "" {
@@ -108,7 +100,7 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.provider, "provider", "", "provider of the machine, as for shepherd run: "+strings.Join(powerProviders().Names(), ", ")+" (required)")
+	fl.StringVar(&f.provider, "provider", "", "provider of the machine, as for shepherd run: "+strings.Join(providers().Names(), ", ")+" (required)")
 	fl.StringVar(&f.providerConfig, "provider-config", "", "YAML configuration file of the provider, as for shepherd run")
 	fl.BoolVarP(&f.yes, "yes", "y", false, "do not ask for confirmation")
 	fl.DurationVar(&f.timeout, "timeout", 5*time.Minute, "give up on the BMC after this long")
@@ -143,7 +135,7 @@ func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlag
 		Logger:     slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelWarn})).With("provider", f.provider),
 		Registerer: prometheus.NewRegistry(),
 	}
-	p, err := powerProviders().New(ctx, f.provider, env, config)
+	p, err := providers().New(ctx, f.provider, env, config)
 	if err != nil {
 		return nil, err
 	}

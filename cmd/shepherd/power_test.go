@@ -13,14 +13,11 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/uuid"
-	"go.yaml.in/yaml/v3"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/power/ipmi/ipmisim"
-	"github.com/shepherd/shepherd/provider"
-	"github.com/shepherd/shepherd/provider/static"
 )
 
 // powerFixture is a BMDB with static machines, one of them (m3) with a real
@@ -99,24 +96,17 @@ func (f *powerFixture) calls(t *testing.T) []string {
 }
 
 // fastPower makes `machine power` pace BMC calls 10 ms apart instead of
-// 5 s, for the rest of the test: the static provider it builds reads its
-// inventory from the --provider-config file as the real one does.
-func fastPower(t *testing.T) {
+// 5 s, for the rest of the test, through the static provider's
+// configuration as an operator would (bmc_min_interval, bmc_settle).
+func (f *powerFixture) fastPower(t *testing.T) {
 	t.Helper()
-	orig := powerProviders
-	powerProviders = func() *provider.Registry {
-		r := provider.NewRegistry()
-		r.Add("static", func(_ context.Context, env provider.Env, config []byte) (provider.Provider, error) {
-			var c struct{ Inventory, Name string }
-			if err := yaml.Unmarshal(config, &c); err != nil {
-				return nil, err
-			}
-			return static.New(static.Config{Inventory: c.Inventory, Name: c.Name, Env: env,
-				Power: power.Config{MinInterval: 10 * time.Millisecond, Settle: 5 * time.Second}})
-		})
-		return r
+	cfg, err := os.ReadFile(f.cfgPath)
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Cleanup(func() { powerProviders = orig })
+	if err := os.WriteFile(f.cfgPath, append(cfg, "bmc_min_interval: 10ms\nbmc_settle: 5s\n"...), 0o600); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // TestMachinePowerStatus reads the power of a real BMC through the provider
@@ -163,8 +153,8 @@ func TestMachinePowerStatus(t *testing.T) {
 // yes; off, on and cycle switch the real BMC under a Power hold whose
 // history names the operator (Started) and the states (Finished).
 func TestMachinePowerActions(t *testing.T) {
-	fastPower(t)
 	f := newPowerFixture(t)
+	f.fastPower(t)
 	bmcName := "ipmi://" + f.bmc.Username + "@" + f.bmc.Addr.String()
 
 	for _, answer := range []string{"", "n\n", "no\n"} {
@@ -243,8 +233,8 @@ func TestMachinePowerActions(t *testing.T) {
 // machine without a bmc block, of another provider, or not named right is
 // refused with what to do.
 func TestMachinePowerFailures(t *testing.T) {
-	fastPower(t)
 	f := newPowerFixture(t)
+	f.fastPower(t)
 	if out, err := f.power(t, "", "status", f.m.String()); err != nil {
 		t.Fatalf("status: %v\n%s", err, out)
 	}
