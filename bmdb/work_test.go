@@ -172,11 +172,17 @@ func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event
 		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
 		return waiting, err
 	})
+	dropped := proxy.DroppedReplies()
 	proxy.SetMode(tcpproxy.DropReplies)
 	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
 		t.Fatal(err)
 	}
-	bmdbtest.WaitFor(t, 30*time.Second, "the end commits", committed)
+	// Committed is not enough: the proxy must have read and dropped the
+	// reply, or passing traffic again would deliver it (see DroppedReplies).
+	bmdbtest.WaitFor(t, 30*time.Second, "the end commits and its reply is dropped", func(ctx context.Context) (bool, error) {
+		ok, err := committed(ctx)
+		return ok && proxy.DroppedReplies() > dropped, err
+	})
 	proxy.SetMode(tcpproxy.Pass) // resets the connection that lost the reply
 	return <-result
 }

@@ -150,13 +150,17 @@ func TestReconciliationKeepsKnownWork(t *testing.T) {
 // reply is lost.
 func loseReply(t *testing.T, proxy *tcpproxy.Proxy, dropNow bool, op func(ctx context.Context) error, committed func() bool) error {
 	t.Helper()
+	dropped := proxy.DroppedReplies()
 	if dropNow {
 		proxy.SetMode(tcpproxy.DropReplies)
 	}
 	result := make(chan error, 1)
 	go func() { result <- op(t.Context()) }()
-	bmdbtest.WaitFor(t, 30*time.Second, "the write whose reply is lost commits", func(context.Context) (bool, error) {
-		return committed(), nil
+	// The reply must really be swallowed, not only the write committed: on a
+	// busy machine the proxy may not have read the reply yet, and passing
+	// traffic again would deliver it.
+	bmdbtest.WaitFor(t, 30*time.Second, "the write whose reply is lost commits and its reply is dropped", func(context.Context) (bool, error) {
+		return committed() && proxy.DroppedReplies() > dropped, nil
 	})
 	proxy.SetMode(tcpproxy.Pass) // resets the connection that lost the reply
 	return <-result

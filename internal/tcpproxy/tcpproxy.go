@@ -56,8 +56,10 @@ type Proxy struct {
 	delay  time.Duration
 	conns  map[*link]struct{}
 	closed bool
-	change chan struct{} // closed and replaced whenever mode changes
-	wg     sync.WaitGroup
+	// dropped counts the reply chunks DropReplies swallowed.
+	dropped int
+	change  chan struct{} // closed and replaced whenever mode changes
+	wg      sync.WaitGroup
 }
 
 // link is one proxied connection.
@@ -95,6 +97,18 @@ func (p *Proxy) SetMode(m Mode) {
 			l.server.Close()
 		}
 	}
+}
+
+// DroppedReplies counts the chunks of server replies DropReplies swallowed
+// so far. A reply the server sent is swallowed only once the proxy has read
+// it, which on a busy machine can be well after the server acted on the
+// request: a test that means to lose a reply waits for this count to grow,
+// not only for the request's effect, before it passes traffic again, or the
+// reply still in the socket is delivered after all.
+func (p *Proxy) DroppedReplies() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dropped
 }
 
 // SetDelay delays every chunk forwarded in Pass mode by d (0: none).
@@ -222,6 +236,7 @@ func (p *Proxy) deliver(l *link, dst net.Conn, b []byte, reply bool) bool {
 		mode, delay, closed, change, lost := p.mode, p.delay, p.closed, p.change, l.lost
 		if mode == DropReplies && reply {
 			l.lost = true
+			p.dropped++
 		}
 		p.mu.Unlock()
 		switch {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 )
@@ -140,6 +141,9 @@ func TestDropReplies(t *testing.T) {
 		t.Fatalf("pass: got %q, %v", line, err)
 	}
 	<-got
+	if n := p.DroppedReplies(); n != 0 {
+		t.Fatalf("DroppedReplies() = %d after a passed reply, want 0", n)
+	}
 
 	p.SetMode(DropReplies)
 	if p.Mode() != DropReplies || p.Mode().String() != "drop-replies" {
@@ -157,6 +161,14 @@ func TestDropReplies(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("drop-replies: the request never reached the server")
+	}
+	// The read timed out after the server answered, and the proxy swallowed
+	// the answer: it was counted.
+	for deadline := time.Now().Add(5 * time.Second); p.DroppedReplies() == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("DroppedReplies() stayed 0 after a reply was swallowed")
+		}
+		runtime.Gosched()
 	}
 
 	// The connection lost a reply, so it is broken once the mode changes;
