@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/ladder"
 )
 
 // MaxRecoveryWindow is the longest circuit breaker window (SPEC §3.4) a
@@ -57,25 +60,34 @@ func (s *Session) checkWork(ctx context.Context, q *model.Queries, process Proce
 	return nil
 }
 
-// RebootRequest asks AdmitReboot to admit the reboot of one machine the
-// session holds for Recovery.
+// RebootRequest asks AdmitReboot to admit the next rung of the recovery
+// ladder (SPEC §3.4) for one machine the session holds for Recovery.
 type RebootRequest struct {
-	// Provider is the machine's provider, whose reboots the budget caps.
+	// Provider is the machine's provider, whose restarts the budget caps.
 	Provider string
-	// MachineID is the machine to reboot.
+	// MachineID is the machine to recover.
 	MachineID uuid.UUID
 	// Candidates is the recovery candidate query the machine was claimed
 	// from (RecoveryCandidates): it must still select the machine.
 	Candidates Candidates
-	// Window and Max are the circuit breaker's: at most Max reboots of the
-	// provider's machines are admitted within Window (at most
-	// MaxRecoveryWindow).
+	// Window and Max are the circuit breaker's: at most Max restarts of
+	// the provider's machines are admitted within Window (at most
+	// MaxRecoveryWindow). A rung that does not restart the machine
+	// (ladder.Agent) is not capped.
 	Window time.Duration
 	Max    int64
-	// StreakLimit quarantines the machine instead of rebooting it once it
-	// has been rebooted this many times without a heartbeat in between;
-	// 0 never does.
+	// StreakLimit quarantines the machine instead of taking another rung
+	// once this many rungs were carried out since its agent's last
+	// heartbeat; 0 never does.
 	StreakLimit int
+	// Ladder is the machine's rungs in the ladder's order; nil means
+	// {ladder.Reboot}.
+	Ladder []ladder.Rung
+	// After, if set, admits the rung above After: After failed in this
+	// work item and the recoverer climbs on. Unset, the rung above the
+	// last one carried out in the streak is admitted (the top rung again
+	// once the top was carried out), or the bottom rung if none was.
+	After ladder.Rung
 }
 
 // RebootDecision is what AdmitReboot decided.
@@ -83,37 +95,61 @@ type RebootDecision string
 
 // Reboot decisions.
 const (
-	// RebootAdmitted: reboot the machine now, then end the work; call
-	// RebootFailed if the reboot fails.
+	// RebootAdmitted: take the admission's Rung now, then end the work;
+	// call RebootFailed if the rung fails.
 	RebootAdmitted RebootDecision = "admitted"
-	// RebootBudgetExhausted: the window's reboots are used up; give the
+	// RebootBudgetExhausted: the window's restarts are used up; give the
 	// work back unjudged.
 	RebootBudgetExhausted RebootDecision = "budget_exhausted"
 	// RebootNotSilent: the machine is no longer silent (its agent
 	// heartbeat since the claim, or the provider lost or stopped it); give
-	// the work back without rebooting.
+	// the work back without acting.
 	RebootNotSilent RebootDecision = "not_silent"
-	// RebootAlreadyIssued: a reboot of this agent incarnation was admitted
-	// already (by a worker that could not record its result): do not
-	// reboot again, finish the recovery as if this worker had rebooted.
+	// RebootAlreadyIssued: a rung for this agent incarnation was admitted
+	// already (by a worker that could not record its result): do not act
+	// again, finish the recovery as if this worker had.
 	RebootAlreadyIssued RebootDecision = "already_issued"
-	// RebootStreakQuarantined: the machine was rebooted StreakLimit times
-	// without a heartbeat in between; it is now quarantined for Recovery
+	// RebootStreakQuarantined: StreakLimit rungs were carried out without
+	// a heartbeat in between; the machine is now quarantined for Recovery
 	// (history Quarantined with Cause). Fail the work with Cause.
 	RebootStreakQuarantined RebootDecision = "streak_quarantined"
 )
 
+// RungAttempt is one rung of the recovery ladder taken for a machine.
+type RungAttempt struct {
+	Rung ladder.Rung
+	// Failed: the rung returned Result, an error; Reached says whether it
+	// reached the machine at all. Otherwise the rung was carried out (or
+	// is being carried out) and the machine was waited for.
+	Failed, Reached bool
+	Result          string
+	At              time.Time
+}
+
+// String is the attempt as history and pages show it.
+func (a RungAttempt) String() string {
+	if !a.Failed {
+		return fmt.Sprintf("%s (%s): done", a.Rung, a.Rung.Describe())
+	}
+	return fmt.Sprintf("%s (%s): failed: %s", a.Rung, a.Rung.Describe(), a.Result)
+}
+
 // RebootAdmission is AdmitReboot's decision and what it was based on.
 type RebootAdmission struct {
 	Decision RebootDecision
-	// InWindow counts the provider's reboots in the window, this one
-	// included if admitted.
+	// Rung is the rung admitted (RebootAdmitted).
+	Rung ladder.Rung
+	// InWindow counts the provider's restarts in the window, this one
+	// included if admitted and it restarts the machine.
 	InWindow int64
-	// Streak counts the machine's reboots since its agent's last
+	// Streak counts the rungs carried out since the agent's last
 	// heartbeat, this one included if admitted; StreakSince is when the
 	// first of them was admitted.
 	Streak      int
 	StreakSince time.Time
+	// Tried lists the rungs taken since the agent's last heartbeat, failed
+	// ones included, before this admission: the ladder's progress.
+	Tried []RungAttempt
 	// Cause says why the machine was quarantined (RebootStreakQuarantined).
 	Cause string
 
@@ -121,24 +157,35 @@ type RebootAdmission struct {
 }
 
 // AdmitReboot decides, in one transaction and one decision at a time per
-// provider (across all processes), whether the session may reboot a machine
-// it holds for Recovery (SPEC §3.4). It verifies that the session is alive
-// and holds the work (ErrSessionExpired if not: do nothing), that the
-// machine is still silent, that no reboot of the same agent incarnation
-// was admitted already, that the machine's reboot streak is below the
-// limit (else it quarantines the machine), and that the provider's reboots
-// in the window leave room. An admitted reboot is recorded, and counts
-// against the window whatever becomes of the work, unless RebootFailed
-// says it never reached the machine.
+// provider (across all processes), whether and which rung of the recovery
+// ladder the session may take for a machine it holds for Recovery (SPEC
+// §3.4). It verifies that the session is alive and holds the work
+// (ErrSessionExpired if not: do nothing), that the machine is still silent,
+// that no rung for the same agent incarnation was admitted already (unless
+// climbing: r.After), that the machine's streak is below the limit (else it
+// quarantines the machine), and, for a rung that restarts the machine,
+// that the provider's restarts in the window leave room. An admitted rung
+// is recorded, and counts against the window whatever becomes of the work,
+// unless RebootFailed says it never reached the machine.
 func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmission, error) {
 	if r.Candidates == nil {
 		return RebootAdmission{}, errors.New("bmdb: admitting a reboot: no candidate query")
 	}
+	rungs := r.Ladder
+	if len(rungs) == 0 {
+		rungs = []ladder.Rung{ladder.Reboot}
+	}
+	above := -1
+	if r.After != "" {
+		if above = slices.Index(rungs, r.After); above < 0 || above == len(rungs)-1 {
+			return RebootAdmission{}, fmt.Errorf("bmdb: admitting a rung: no rung above %q in ladder %s", r.After, ladder.Join(rungs))
+		}
+	}
 	var a RebootAdmission
 	err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
 		a = RebootAdmission{}
-		// Serialises admissions of the provider's reboots, so that the
-		// count below cannot admit two reboots for one free slot.
+		// Serialises admissions of the provider's restarts, so that the
+		// count below cannot admit two restarts for one free slot.
 		if err := q.ProviderStateLock(ctx, r.Provider); err != nil {
 			return fmt.Errorf("locking provider: %w", err)
 		}
@@ -154,31 +201,55 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 			a.Decision = RebootNotSilent
 			return nil
 		} else if err != nil {
-			return fmt.Errorf("reading earlier reboots: %w", err)
+			return fmt.Errorf("reading earlier rungs: %w", err)
 		}
-		a.Streak, a.StreakSince = int(st.Streak), st.StreakSince
-		if st.AlreadyAdmitted {
+		rows, err := q.RecoveryStreak(ctx, r.MachineID)
+		if err != nil {
+			return fmt.Errorf("reading the streak: %w", err)
+		}
+		lastDone := -1
+		for _, row := range rows {
+			t := RungAttempt{Rung: ladder.Rung(row.Rung), Failed: row.Failed, Reached: row.Reached, Result: row.Result, At: row.AdmittedAt}
+			a.Tried = append(a.Tried, t)
+			if !t.Failed {
+				if a.Streak == 0 {
+					a.StreakSince = t.At
+				}
+				a.Streak++
+				// A rung the ladder no longer has (the configuration
+				// changed) counts as the bottom one.
+				lastDone = max(slices.Index(rungs, t.Rung), 0)
+			}
+		}
+		if st.AlreadyAdmitted && r.After == "" {
 			a.Decision = RebootAlreadyIssued
 			return nil
 		}
 		if r.StreakLimit > 0 && a.Streak >= r.StreakLimit {
 			a.Decision = RebootStreakQuarantined
-			a.Cause = fmt.Sprintf("rebooted %d times since %s without a heartbeat in between: the agent starts but never reports "+
-				"(can the machine reach the callback server?); reset the machine's Recovery to try again",
-				a.Streak, a.StreakSince.UTC().Format(time.RFC3339))
+			a.Cause = fmt.Sprintf("%d recovery rungs carried out since %s without a heartbeat in between (%s): the agent starts but never reports "+
+				"(can the machine reach the callback server?) or the machine does not come back; reset the machine's Recovery to try again",
+				a.Streak, a.StreakSince.UTC().Format(time.RFC3339), DescribeRungs(a.Tried))
 			return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: s.id, Cause: a.Cause, MachineID: r.MachineID})
 		}
-		if a.InWindow, err = q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{
-			Provider: r.Provider, WindowMs: r.Window.Milliseconds()}); err != nil {
-			return fmt.Errorf("counting reboots in the window: %w", err)
+		next := min(lastDone+1, len(rungs)-1)
+		if above >= 0 {
+			next = above + 1
 		}
-		if a.InWindow >= r.Max {
-			a.Decision = RebootBudgetExhausted
-			return nil
+		a.Rung = rungs[next]
+		if a.Rung.Restarts() {
+			if a.InWindow, err = q.RecoveryRebootsInWindow(ctx, model.RecoveryRebootsInWindowParams{
+				Provider: r.Provider, WindowMs: r.Window.Milliseconds()}); err != nil {
+				return fmt.Errorf("counting restarts in the window: %w", err)
+			}
+			if a.InWindow >= r.Max {
+				a.Decision = RebootBudgetExhausted
+				return nil
+			}
 		}
 		row, err := q.RecoveryAdmit(ctx, model.RecoveryAdmitParams{
 			MachineID: r.MachineID, Provider: r.Provider, SessionID: s.id, AgentStartedAt: st.AgentStartedAt,
-			Heartbeated: st.Heartbeated})
+			Heartbeated: st.Heartbeated, Rung: string(a.Rung)})
 		if errors.Is(err, pgx.ErrNoRows) {
 			// Cannot happen while the work is held (the claim is
 			// exclusive), but the index has the last word.
@@ -192,7 +263,9 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 			a.StreakSince = row.AdmittedAt
 		}
 		a.Streak++
-		a.InWindow++
+		if a.Rung.Restarts() {
+			a.InWindow++
+		}
 		return nil
 	})
 	switch {
@@ -204,13 +277,27 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 	return a, nil
 }
 
-// RebootFailed records that the reboot a admitted failed, and whether its
-// request reached the machine (or its provider's API) at all: a reboot that
-// certainly did not is not counted by the circuit breaker. A failed reboot
-// leaves the machine's reboot streak, and a later claim may reboot the same
-// agent incarnation again. It works whether or not the session still holds
-// the work (the failure happened either way), even when ctx is cancelled.
-func (s *Session) RebootFailed(ctx context.Context, a RebootAdmission, reached bool) error {
+// DescribeRungs lists rung attempts as history shows them.
+func DescribeRungs(tried []RungAttempt) string {
+	if len(tried) == 0 {
+		return "no rung tried"
+	}
+	s := make([]string, len(tried))
+	for i, t := range tried {
+		s[i] = t.String()
+	}
+	return strings.Join(s, "; ")
+}
+
+// RebootFailed records that the rung a admitted failed with result (what
+// it returned, for history and the ladder's progress), and whether its
+// request reached the machine (or its provider's API) at all: a restart
+// that certainly did not is not counted by the circuit breaker. A failed
+// rung does not extend the machine's streak, and a later claim may take a
+// rung for the same agent incarnation again. It works whether or not the
+// session still holds the work (the failure happened either way), even when
+// ctx is cancelled.
+func (s *Session) RebootFailed(ctx context.Context, a RebootAdmission, reached bool, result string) error {
 	if a.Decision != RebootAdmitted {
 		return fmt.Errorf("bmdb: recording a failed reboot: the reboot was not admitted (%s)", a.Decision)
 	}
@@ -218,13 +305,52 @@ func (s *Session) RebootFailed(ctx context.Context, a RebootAdmission, reached b
 	defer cancel()
 	err := s.db.retry(cctx, func(ctx context.Context) error {
 		_, err := s.db.q.RecoveryAdmissionFailed(ctx, model.RecoveryAdmissionFailedParams{
-			Reached: reached, AdmissionID: a.admission, SessionID: s.id})
+			Reached: reached, AdmissionID: a.admission, SessionID: s.id, Result: result})
 		return err
 	})
 	if err != nil {
 		return fmt.Errorf("bmdb: recording failed reboot %d: %w", a.admission, err)
 	}
 	return nil
+}
+
+// QuarantineRecovery quarantines a machine the session holds for Recovery
+// (history Quarantined with cause), when every rung of its ladder failed: it
+// takes the machine out of recovery until an operator resets it. It returns
+// ErrSessionExpired when the session no longer holds the work.
+func (s *Session) QuarantineRecovery(ctx context.Context, machine uuid.UUID, cause string) error {
+	err := s.db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
+		held, err := q.WorkHeld(ctx, model.WorkHeldParams{MachineID: machine, Process: string(ProcessRecovery), SessionID: s.id})
+		if err != nil {
+			return fmt.Errorf("checking the work: %w", err)
+		}
+		if !held {
+			return ErrSessionExpired
+		}
+		return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: s.id, Cause: cause, MachineID: machine})
+	})
+	switch {
+	case errors.Is(err, ErrSessionExpired):
+		return err
+	case err != nil:
+		return fmt.Errorf("bmdb: quarantining machine %s for Recovery: %w", machine, err)
+	}
+	return nil
+}
+
+// RecoveryStreak returns the rungs of the recovery ladder taken for machine
+// since its agent last heartbeated, oldest first, failed ones included: the
+// ladder's progress, for pages and the CLI.
+func (db *DB) RecoveryStreak(ctx context.Context, machine uuid.UUID) ([]RungAttempt, error) {
+	rows, err := db.q.RecoveryStreak(ctx, machine)
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: reading the recovery streak of machine %s: %w", machine, err)
+	}
+	out := make([]RungAttempt, len(rows))
+	for i, row := range rows {
+		out[i] = RungAttempt{Rung: ladder.Rung(row.Rung), Failed: row.Failed, Reached: row.Reached, Result: row.Result, At: row.AdmittedAt}
+	}
+	return out, nil
 }
 
 // RecoveryReboots counts the reboots admitted for provider's machines

@@ -172,7 +172,7 @@ func TestAdmitRebootOncePerIncarnation(t *testing.T) {
 	m2 := r.silent()
 	w := r.claim(b, m2)
 	adm := r.mustAdmit(b, m2, 10, bmdb.RebootAdmitted)
-	if err := b.RebootFailed(t.Context(), adm, true); err != nil {
+	if err := b.RebootFailed(t.Context(), adm, true, "test failure"); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.Cancel(t.Context()); err != nil {
@@ -230,7 +230,7 @@ func TestRebootBudgetSkipsUnreached(t *testing.T) {
 	m1, m2 := r.silent(), r.silent()
 	w := r.claim(r.s, m1)
 	adm := r.mustAdmit(r.s, m1, 1, bmdb.RebootAdmitted)
-	if err := r.s.RebootFailed(t.Context(), adm, false); err != nil {
+	if err := r.s.RebootFailed(t.Context(), adm, false, "test: not reached"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := w.Fail(t.Context(), bmdb.RecoveryBackoff(), "dial tcp: connection refused"); err != nil {
@@ -302,7 +302,7 @@ func TestRebootStreakQuarantines(t *testing.T) {
 		}
 	}
 	a := rebootOnce(bmdb.RebootStreakQuarantined)
-	if !strings.Contains(a.Cause, "rebooted 3 times") || !strings.Contains(a.Cause, "without a heartbeat in between") {
+	if !strings.Contains(a.Cause, "3 recovery rungs carried out") || !strings.Contains(a.Cause, "without a heartbeat in between") {
 		t.Errorf("quarantine cause %q does not say why", a.Cause)
 	}
 	b, err := r.db.GetBackoff(t.Context(), m, bmdb.ProcessRecovery)

@@ -180,7 +180,7 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 		"reboots_in_window", a.InWindow, "reboots_without_heartbeat", a.Streak)
 	if err := rc.r.RebootMachine(rctx, t.Machine.ProviderID); err != nil {
 		err = fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
-		if ferr := t.Session.RebootFailed(ctx, a, !errors.Is(err, provider.ErrNotReached)); ferr != nil {
+		if ferr := t.Session.RebootFailed(ctx, a, !errors.Is(err, provider.ErrNotReached), err.Error()); ferr != nil {
 			t.Log.WarnContext(ctx, "recording the failed reboot", "err", ferr)
 		}
 		return nil, err

@@ -278,7 +278,7 @@ func TestRebootStreakQuarantines(t *testing.T) {
 		}
 		return err == nil && b.Quarantined, err
 	})
-	if want := fmt.Sprintf("rebooted %d times since", limit); !strings.Contains(b.Cause, want) || !strings.Contains(b.Cause, "without a heartbeat in between") {
+	if want := fmt.Sprintf("%d recovery rungs carried out since", limit); !strings.Contains(b.Cause, want) || !strings.Contains(b.Cause, "without a heartbeat in between") {
 		t.Errorf("quarantine cause %q does not say why (%q)", b.Cause, want)
 	}
 	// Every reboot was admitted, and none came after the quarantine. (A

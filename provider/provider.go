@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
 )
 
@@ -163,6 +164,17 @@ type BMC struct {
 	// never a password.
 	Name string
 	*power.Controller
+}
+
+// RungChooser is implemented by providers whose configuration says which
+// rungs of the recovery ladder (SPEC §3.4) apply, per machine or for all of
+// the provider's machines (a static inventory's recovery_rungs).
+type RungChooser interface {
+	// RecoveryRungs returns the rungs the recoverer may take for machine
+	// id, in the ladder's order; nil means the recoverer's own default.
+	// The recoverer still skips a rung the machine cannot take (Power on a
+	// machine without a BMC).
+	RecoveryRungs(ctx context.Context, id string) ([]ladder.Rung, error)
 }
 
 // SSHAccess says how to reach a machine's SSH server when Addr and the

@@ -153,6 +153,8 @@ type RecoveryAdmission struct {
 	Reached        bool
 	Failed         bool
 	Heartbeated    bool
+	Rung           string
+	Result         string
 }
 
 type Session struct {

@@ -574,7 +574,7 @@ func (q *Queries) ProviderUpdateLeaseRelease(ctx context.Context, arg ProviderUp
 const recoveryRebootsInWindow = `-- name: RecoveryRebootsInWindow :one
 SELECT count(*)
 FROM recovery_admissions a
-WHERE a.provider = $1 AND a.reached
+WHERE a.provider = $1 AND a.reached AND a.rung <> 'agent'
   AND a.admitted_at > now() - interval '1 millisecond' * $2::bigint
 `
 
@@ -583,11 +583,12 @@ type RecoveryRebootsInWindowParams struct {
 	WindowMs int64
 }
 
-// RecoveryRebootsInWindow counts the reboots admitted for a provider's
-// machines within the window (recovery_admissions), however their work
-// ended (Finished, Failed, Canceled, Expired or still in flight), except
-// those whose request certainly never reached the machine. A claim that was
-// not admitted yet counts nothing.
+// RecoveryRebootsInWindow counts the restarts (every rung of the recovery
+// ladder but agent) admitted for a provider's machines within the window
+// (recovery_admissions), however their work ended (Finished, Failed,
+// Canceled, Expired or still in flight), except those whose request
+// certainly never reached the machine. A claim that was not admitted yet
+// counts nothing.
 func (q *Queries) RecoveryRebootsInWindow(ctx context.Context, arg RecoveryRebootsInWindowParams) (int64, error) {
 	row := q.db.QueryRow(ctx, recoveryRebootsInWindow, arg.Provider, arg.WindowMs)
 	var count int64

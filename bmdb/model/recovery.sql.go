@@ -14,12 +14,13 @@ import (
 
 const recoveryAdmissionFailed = `-- name: RecoveryAdmissionFailed :execrows
 UPDATE recovery_admissions
-SET failed = true, reached = $1
-WHERE admission_id = $2 AND session_id = $3::uuid AND NOT failed
+SET failed = true, reached = $1, result = $2
+WHERE admission_id = $3 AND session_id = $4::uuid AND NOT failed
 `
 
 type RecoveryAdmissionFailedParams struct {
 	Reached     bool
+	Result      string
 	AdmissionID int64
 	SessionID   uuid.UUID
 }
@@ -30,7 +31,12 @@ type RecoveryAdmissionFailedParams struct {
 // part of the machine's streak, and a later claim may reboot the
 // incarnation again.
 func (q *Queries) RecoveryAdmissionFailed(ctx context.Context, arg RecoveryAdmissionFailedParams) (int64, error) {
-	result, err := q.db.Exec(ctx, recoveryAdmissionFailed, arg.Reached, arg.AdmissionID, arg.SessionID)
+	result, err := q.db.Exec(ctx, recoveryAdmissionFailed,
+		arg.Reached,
+		arg.Result,
+		arg.AdmissionID,
+		arg.SessionID,
+	)
 	if err != nil {
 		return 0, err
 	}
@@ -38,63 +44,32 @@ func (q *Queries) RecoveryAdmissionFailed(ctx context.Context, arg RecoveryAdmis
 }
 
 const recoveryAdmissionState = `-- name: RecoveryAdmissionState :one
-WITH inc AS (
-    SELECT s.machine_id, s.agent_started_at,
-           EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated
-    FROM machine_agent_started s
-    WHERE s.machine_id = $1
-),
-streak_start AS (
-    SELECT GREATEST(
-        (SELECT max(a.admitted_at) FROM recovery_admissions a
-         WHERE a.machine_id = $1 AND a.heartbeated),
-        (SELECT max(h.at) + interval '1 microsecond' FROM work_history h
-         WHERE h.machine_id = $1 AND h.process = 'Recovery' AND h.event = 'Reset'),
-        '-infinity'::timestamptz) AS at
-),
-streak AS (
-    SELECT count(*) AS reboots, min(a.admitted_at) AS since
-    FROM recovery_admissions a, inc, streak_start st
-    WHERE a.machine_id = inc.machine_id AND NOT a.failed AND NOT inc.heartbeated
-      AND a.admitted_at >= st.at
-)
-SELECT inc.agent_started_at, inc.heartbeated,
+SELECT s.agent_started_at,
+       EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated,
        EXISTS (
            SELECT 1 FROM recovery_admissions a
-           WHERE a.machine_id = inc.machine_id AND a.agent_started_at = inc.agent_started_at AND NOT a.failed
-       )::boolean AS already_admitted,
-       k.reboots::integer AS streak,
-       COALESCE(k.since, now())::timestamptz AS streak_since
-FROM inc CROSS JOIN streak k
+           WHERE a.machine_id = s.machine_id AND a.agent_started_at = s.agent_started_at AND NOT a.failed
+       )::boolean AS already_admitted
+FROM machine_agent_started s
+WHERE s.machine_id = $1
 `
 
 type RecoveryAdmissionStateRow struct {
 	AgentStartedAt  time.Time
 	Heartbeated     bool
 	AlreadyAdmitted bool
-	Streak          int32
-	StreakSince     time.Time
 }
 
-// RecoveryAdmissionState reads what the admission of a reboot decides on,
-// for one machine: the agent incarnation (start time) being recovered,
-// whether it ever heartbeated (a heartbeat row exists only for the current
-// incarnation), whether a reboot of it was admitted already and has not
-// failed, and the machine's reboot streak: the reboots admitted since its
-// agent's last heartbeat, derived from the admissions (the last one whose
-// incarnation had heartbeated starts the streak; a current incarnation
-// that heartbeated ends it) and started over by an operator's Reset of the
-// machine's Recovery. No row: the machine has no AgentStarted.
+// RecoveryAdmissionState reads what the admission of a rung of the
+// recovery ladder decides on, for one machine: the agent incarnation (start
+// time) being recovered, whether it ever heartbeated (a heartbeat row
+// exists only for the current incarnation), and whether a rung for it was
+// admitted already and has not failed. No row: the machine has no
+// AgentStarted. The streak is RecoveryStreak.
 func (q *Queries) RecoveryAdmissionState(ctx context.Context, machineID uuid.UUID) (RecoveryAdmissionStateRow, error) {
 	row := q.db.QueryRow(ctx, recoveryAdmissionState, machineID)
 	var i RecoveryAdmissionStateRow
-	err := row.Scan(
-		&i.AgentStartedAt,
-		&i.Heartbeated,
-		&i.AlreadyAdmitted,
-		&i.Streak,
-		&i.StreakSince,
-	)
+	err := row.Scan(&i.AgentStartedAt, &i.Heartbeated, &i.AlreadyAdmitted)
 	return i, err
 }
 
@@ -114,8 +89,8 @@ func (q *Queries) RecoveryAdmissionsDelete(ctx context.Context, retentionMs int6
 }
 
 const recoveryAdmit = `-- name: RecoveryAdmit :one
-INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at, heartbeated)
-VALUES ($1, $2, $3::uuid, $4::timestamptz, $5)
+INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at, heartbeated, rung)
+VALUES ($1, $2, $3::uuid, $4::timestamptz, $5, $6)
 ON CONFLICT (machine_id, agent_started_at) WHERE NOT failed DO NOTHING
 RETURNING admission_id, admitted_at
 `
@@ -126,6 +101,7 @@ type RecoveryAdmitParams struct {
 	SessionID      uuid.UUID
 	AgentStartedAt time.Time
 	Heartbeated    bool
+	Rung           string
 }
 
 type RecoveryAdmitRow struct {
@@ -133,8 +109,8 @@ type RecoveryAdmitRow struct {
 	AdmittedAt  time.Time
 }
 
-// RecoveryAdmit records an admitted reboot of the machine's agent
-// incarnation. No row: a reboot of the incarnation was admitted already
+// RecoveryAdmit records an admitted rung of the recovery ladder for the
+// machine's agent incarnation. No row: a reboot of the incarnation was admitted already
 // (recovery_admissions_incarnation).
 func (q *Queries) RecoveryAdmit(ctx context.Context, arg RecoveryAdmitParams) (RecoveryAdmitRow, error) {
 	row := q.db.QueryRow(ctx, recoveryAdmit,
@@ -143,6 +119,7 @@ func (q *Queries) RecoveryAdmit(ctx context.Context, arg RecoveryAdmitParams) (R
 		arg.SessionID,
 		arg.AgentStartedAt,
 		arg.Heartbeated,
+		arg.Rung,
 	)
 	var i RecoveryAdmitRow
 	err := row.Scan(&i.AdmissionID, &i.AdmittedAt)
@@ -176,6 +153,66 @@ type RecoveryQuarantineParams struct {
 func (q *Queries) RecoveryQuarantine(ctx context.Context, arg RecoveryQuarantineParams) error {
 	_, err := q.db.Exec(ctx, recoveryQuarantine, arg.SessionID, arg.Cause, arg.MachineID)
 	return err
+}
+
+const recoveryStreak = `-- name: RecoveryStreak :many
+WITH streak_start AS (
+    SELECT GREATEST(
+        (SELECT min(a.admitted_at) FROM recovery_admissions a
+         WHERE a.machine_id = $1 AND a.heartbeated
+           AND a.agent_started_at = (
+               SELECT max(b.agent_started_at) FROM recovery_admissions b
+               WHERE b.machine_id = $1 AND b.heartbeated)),
+        (SELECT max(h.at) + interval '1 microsecond' FROM work_history h
+         WHERE h.machine_id = $1 AND h.process = 'Recovery' AND h.event = 'Reset'),
+        '-infinity'::timestamptz) AS at
+)
+SELECT a.rung, a.failed, a.reached, a.result, a.admitted_at
+FROM recovery_admissions a, streak_start st
+WHERE a.machine_id = $1 AND a.admitted_at >= st.at
+  AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = $1)
+ORDER BY a.admission_id
+`
+
+type RecoveryStreakRow struct {
+	Rung       string
+	Failed     bool
+	Reached    bool
+	Result     string
+	AdmittedAt time.Time
+}
+
+// RecoveryStreak lists the rungs of the recovery ladder taken for the
+// machine since its agent last heartbeated, oldest first, failed ones
+// included: the ladder's progress. The streak starts at the first
+// admission for the last agent incarnation that had heartbeated (a climb
+// admits several rungs for one incarnation), or after an operator's Reset
+// of the machine's Recovery, whichever is later; a current incarnation
+// that heartbeated ends it (no rows).
+func (q *Queries) RecoveryStreak(ctx context.Context, machineID uuid.UUID) ([]RecoveryStreakRow, error) {
+	rows, err := q.db.Query(ctx, recoveryStreak, machineID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []RecoveryStreakRow{}
+	for rows.Next() {
+		var i RecoveryStreakRow
+		if err := rows.Scan(
+			&i.Rung,
+			&i.Failed,
+			&i.Reached,
+			&i.Result,
+			&i.AdmittedAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const workHeld = `-- name: WorkHeld :one

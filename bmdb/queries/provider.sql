@@ -111,14 +111,15 @@ ON CONFLICT (provider) DO UPDATE SET update_confirmed_at = EXCLUDED.update_confi
 SELECT update_confirmed_at FROM provider_state WHERE provider = @provider;
 
 -- name: RecoveryRebootsInWindow :one
--- RecoveryRebootsInWindow counts the reboots admitted for a provider's
--- machines within the window (recovery_admissions), however their work
--- ended (Finished, Failed, Canceled, Expired or still in flight), except
--- those whose request certainly never reached the machine. A claim that was
--- not admitted yet counts nothing.
+-- RecoveryRebootsInWindow counts the restarts (every rung of the recovery
+-- ladder but agent) admitted for a provider's machines within the window
+-- (recovery_admissions), however their work ended (Finished, Failed,
+-- Canceled, Expired or still in flight), except those whose request
+-- certainly never reached the machine. A claim that was not admitted yet
+-- counts nothing.
 SELECT count(*)
 FROM recovery_admissions a
-WHERE a.provider = @provider AND a.reached
+WHERE a.provider = @provider AND a.reached AND a.rung <> 'agent'
   AND a.admitted_at > now() - interval '1 millisecond' * @window_ms::bigint;
 
 -- name: ProviderAgentCounts :one

@@ -12,50 +12,52 @@ SELECT EXISTS (
 )::boolean AS held;
 
 -- name: RecoveryAdmissionState :one
--- RecoveryAdmissionState reads what the admission of a reboot decides on,
--- for one machine: the agent incarnation (start time) being recovered,
--- whether it ever heartbeated (a heartbeat row exists only for the current
--- incarnation), whether a reboot of it was admitted already and has not
--- failed, and the machine's reboot streak: the reboots admitted since its
--- agent's last heartbeat, derived from the admissions (the last one whose
--- incarnation had heartbeated starts the streak; a current incarnation
--- that heartbeated ends it) and started over by an operator's Reset of the
--- machine's Recovery. No row: the machine has no AgentStarted.
-WITH inc AS (
-    SELECT s.machine_id, s.agent_started_at,
-           EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated
-    FROM machine_agent_started s
-    WHERE s.machine_id = @machine_id
-),
-streak_start AS (
+-- RecoveryAdmissionState reads what the admission of a rung of the
+-- recovery ladder decides on, for one machine: the agent incarnation (start
+-- time) being recovered, whether it ever heartbeated (a heartbeat row
+-- exists only for the current incarnation), and whether a rung for it was
+-- admitted already and has not failed. No row: the machine has no
+-- AgentStarted. The streak is RecoveryStreak.
+SELECT s.agent_started_at,
+       EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated,
+       EXISTS (
+           SELECT 1 FROM recovery_admissions a
+           WHERE a.machine_id = s.machine_id AND a.agent_started_at = s.agent_started_at AND NOT a.failed
+       )::boolean AS already_admitted
+FROM machine_agent_started s
+WHERE s.machine_id = @machine_id;
+
+-- name: RecoveryStreak :many
+-- RecoveryStreak lists the rungs of the recovery ladder taken for the
+-- machine since its agent last heartbeated, oldest first, failed ones
+-- included: the ladder's progress. The streak starts at the first
+-- admission for the last agent incarnation that had heartbeated (a climb
+-- admits several rungs for one incarnation), or after an operator's Reset
+-- of the machine's Recovery, whichever is later; a current incarnation
+-- that heartbeated ends it (no rows).
+WITH streak_start AS (
     SELECT GREATEST(
-        (SELECT max(a.admitted_at) FROM recovery_admissions a
-         WHERE a.machine_id = @machine_id AND a.heartbeated),
+        (SELECT min(a.admitted_at) FROM recovery_admissions a
+         WHERE a.machine_id = @machine_id AND a.heartbeated
+           AND a.agent_started_at = (
+               SELECT max(b.agent_started_at) FROM recovery_admissions b
+               WHERE b.machine_id = @machine_id AND b.heartbeated)),
         (SELECT max(h.at) + interval '1 microsecond' FROM work_history h
          WHERE h.machine_id = @machine_id AND h.process = 'Recovery' AND h.event = 'Reset'),
         '-infinity'::timestamptz) AS at
-),
-streak AS (
-    SELECT count(*) AS reboots, min(a.admitted_at) AS since
-    FROM recovery_admissions a, inc, streak_start st
-    WHERE a.machine_id = inc.machine_id AND NOT a.failed AND NOT inc.heartbeated
-      AND a.admitted_at >= st.at
 )
-SELECT inc.agent_started_at, inc.heartbeated,
-       EXISTS (
-           SELECT 1 FROM recovery_admissions a
-           WHERE a.machine_id = inc.machine_id AND a.agent_started_at = inc.agent_started_at AND NOT a.failed
-       )::boolean AS already_admitted,
-       k.reboots::integer AS streak,
-       COALESCE(k.since, now())::timestamptz AS streak_since
-FROM inc CROSS JOIN streak k;
+SELECT a.rung, a.failed, a.reached, a.result, a.admitted_at
+FROM recovery_admissions a, streak_start st
+WHERE a.machine_id = @machine_id AND a.admitted_at >= st.at
+  AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = @machine_id)
+ORDER BY a.admission_id;
 
 -- name: RecoveryAdmit :one
--- RecoveryAdmit records an admitted reboot of the machine's agent
--- incarnation. No row: a reboot of the incarnation was admitted already
+-- RecoveryAdmit records an admitted rung of the recovery ladder for the
+-- machine's agent incarnation. No row: a reboot of the incarnation was admitted already
 -- (recovery_admissions_incarnation).
-INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at, heartbeated)
-VALUES (@machine_id, @provider, @session_id::uuid, @agent_started_at::timestamptz, @heartbeated)
+INSERT INTO recovery_admissions (machine_id, provider, session_id, agent_started_at, heartbeated, rung)
+VALUES (@machine_id, @provider, @session_id::uuid, @agent_started_at::timestamptz, @heartbeated, @rung)
 ON CONFLICT (machine_id, agent_started_at) WHERE NOT failed DO NOTHING
 RETURNING admission_id, admitted_at;
 
@@ -66,7 +68,7 @@ RETURNING admission_id, admitted_at;
 -- part of the machine's streak, and a later claim may reboot the
 -- incarnation again.
 UPDATE recovery_admissions
-SET failed = true, reached = @reached
+SET failed = true, reached = @reached, result = @result
 WHERE admission_id = @admission_id AND session_id = @session_id::uuid AND NOT failed;
 
 -- name: RecoveryQuarantine :exec
