@@ -28,6 +28,9 @@ type Task struct {
 	Log *slog.Logger
 	// Session is the session the work was claimed under.
 	Session *bmdb.Session
+	// Note, if Do sets it and succeeds, is recorded in history with the
+	// work's Finished event: what was done (the recovery rungs taken).
+	Note string
 }
 
 // ErrRetryLater, wrapped by an error a loop's Do returns, means the machine
@@ -210,7 +213,8 @@ func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log
 	start := time.Now()
 	defer func() { r.metrics.processing.Observe(time.Since(start).Seconds()) }()
 	dctx, cancel := context.WithTimeout(ctx, r.cfg.WorkTimeout)
-	finish, err := r.do(dctx, s, w, log)
+	t := &Task{Machine: w.Provided, Log: log, Session: s}
+	finish, err := r.do(dctx, t)
 	timedOut := errors.Is(dctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
 	cancel()
 	switch {
@@ -219,7 +223,7 @@ func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log
 		// without judging the machine.
 		r.end(ctx, s, w, log, ending{kind: endCancel})
 	case err == nil:
-		r.end(ctx, s, w, log, ending{kind: endFinish, finish: finish})
+		r.end(ctx, s, w, log, ending{kind: endFinish, finish: finish, note: t.Note})
 	case timedOut:
 		r.end(ctx, s, w, log, ending{kind: endFail, cause: fmt.Errorf("processing took longer than %s: %w", r.cfg.WorkTimeout, err)})
 	default:
@@ -245,6 +249,7 @@ func (k endKind) String() string {
 type ending struct {
 	kind   endKind
 	finish FinishFunc
+	note   string // recorded with a finish
 	cause  error
 
 	refusals int // attempts to Fail the database refused
@@ -328,7 +333,7 @@ func (r *Runner) endOnce(ctx context.Context, w *bmdb.Work, log *slog.Logger, e 
 				return fnErr
 			}
 		}
-		err := w.Finish(ctx, fn)
+		err := w.FinishWithCause(ctx, e.note, fn)
 		if err == nil {
 			r.metrics.claims.WithLabelValues("finished").Inc()
 			log.InfoContext(ctx, "done")
@@ -369,14 +374,14 @@ func (r *Runner) endOnce(ctx context.Context, w *bmdb.Work, log *slog.Logger, e 
 
 // do calls the loop's Do, turning a panic into an error so that one bad
 // machine cannot take a worker (or the process) down.
-func (r *Runner) do(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log *slog.Logger) (finish FinishFunc, err error) {
+func (r *Runner) do(ctx context.Context, t *Task) (finish FinishFunc, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			log.ErrorContext(ctx, "panic while processing", "panic", p, "stack", string(debug.Stack()))
+			t.Log.ErrorContext(ctx, "panic while processing", "panic", p, "stack", string(debug.Stack()))
 			finish, err = nil, fmt.Errorf("internal error: %v", p)
 		}
 	}()
-	return r.loop.Do(ctx, &Task{Machine: w.Provided, Log: log, Session: s})
+	return r.loop.Do(ctx, t)
 }
 
 // jitter returns a duration in [d/2, 3d/2), so that idle workers of many

@@ -11,8 +11,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/ladder"
+	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -47,6 +51,23 @@ type RecovererConfig struct {
 	RebootTimeout time.Duration
 	// Backoff applies to failed reboots; default bmdb.RecoveryBackoff().
 	Backoff bmdb.BackoffPolicy
+
+	// Rungs is the recovery ladder (SPEC §3.4) of machines whose provider
+	// does not choose one (provider.RungChooser); default ladder.Default.
+	// A rung a machine cannot take is skipped: Agent without SSHKey, Power
+	// without a BMC.
+	Rungs []ladder.Rung
+	// SSHKey and SSHUser let the Agent rung check that the machine answers
+	// SSH before it hands the machine to the initializer (whose takeover
+	// replaces the hung agent); without a key the rung does not apply.
+	// SSHUser defaults to root, as the initializer's.
+	SSHKey  ssh.Signer
+	SSHUser string
+	// ConnectTimeout bounds the Agent rung's SSH handshake; default 30s.
+	ConnectTimeout time.Duration
+	// PowerTimeout bounds the Power rung's cycle through the BMC, paced
+	// calls and transitions included; default 5m.
+	PowerTimeout time.Duration
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
@@ -55,7 +76,7 @@ func (c RecovererConfig) Validate() error {
 	if err := c.Loop.Validate("recoverer"); err != nil {
 		return err
 	}
-	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 {
+	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 || c.ConnectTimeout < 0 || c.PowerTimeout < 0 {
 		return errors.New("recoverer: durations must be >= 0 (0 = default)")
 	}
 	if c.Window > bmdb.MaxRecoveryWindow {
@@ -70,10 +91,23 @@ func (c RecovererConfig) Validate() error {
 	if c.SilentFraction < 0 || c.SilentFraction > 1 || math.IsNaN(c.SilentFraction) {
 		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
 	}
+	if c.Rungs != nil {
+		if _, err := ladder.Parse(rungNames(c.Rungs)); err != nil {
+			return fmt.Errorf("recoverer: Rungs: %w", err)
+		}
+	}
 	if c.Backoff != (bmdb.BackoffPolicy{}) {
 		return c.Backoff.Validate()
 	}
 	return nil
+}
+
+func rungNames(rungs []ladder.Rung) []string {
+	s := make([]string, len(rungs))
+	for i, r := range rungs {
+		s[i] = string(r)
+	}
+	return s
 }
 
 // Recoverer reboots machines whose agent fell silent, through the provider,
@@ -102,6 +136,14 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 	cfg = cfg.withBreakerDefaults()
 	cfg.RebootTimeout = cmp.Or(cfg.RebootTimeout, 5*time.Minute)
 	cfg.MaxRebootsWithoutHeartbeat = cmp.Or(cfg.MaxRebootsWithoutHeartbeat, 3)
+	cfg.ConnectTimeout = cmp.Or(cfg.ConnectTimeout, 30*time.Second)
+	cfg.PowerTimeout = cmp.Or(cfg.PowerTimeout, 5*time.Minute)
+	cfg.SSHUser = cmp.Or(cfg.SSHUser, "root")
+	if cfg.Rungs == nil {
+		cfg.Rungs = ladder.Default
+	} else {
+		cfg.Rungs, _ = ladder.Parse(rungNames(cfg.Rungs)) // validated above: only the order changes
+	}
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.RecoveryBackoff()
 	}
@@ -134,58 +176,235 @@ func (rc *Recoverer) candidates() bmdb.Candidates {
 // Run runs the recoverer until ctx ends.
 func (rc *Recoverer) Run(ctx context.Context) error { return rc.runner.Run(ctx) }
 
-// recover reboots one silent machine, if the breaker admits it. The
-// admission verifies, in the transaction that records it, that the session
-// still holds the work and that the machine is still silent, so a worker
-// stalled past its lease (or one that lost a race with a heartbeat) does not
-// reboot a machine that another worker rebooted or that recovered.
+// recover climbs the recovery ladder (SPEC §3.4) for one silent machine:
+// it takes the rung above the last one carried out since the agent's last
+// heartbeat (the bottom rung first), and climbs on at once past a rung that
+// fails, so that a machine whose SSH is dead reaches its BMC within one work
+// item. A rung carried out ends the work: the machine's agent tags are
+// cleared, the initializer takes it over again, and the next silence climbs
+// one rung higher. When the top rung fails too, a ladder of two or more
+// rungs quarantines the machine with a cause listing every rung and what it
+// returned; a ladder of one rung fails the work with backoff, as a plain
+// reboot always did.
+//
+// Every admission verifies, in the transaction that records it, that the
+// session still holds the work and that the machine is still silent, so a
+// worker stalled past its lease (or one that lost a race with a heartbeat)
+// does not act on a machine that another worker took over or that
+// recovered. Every rung but Agent is a restart, counted by the breaker.
 func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
-	max, err := rc.breaker.budget(ctx)
+	budget, err := rc.breaker.budget(ctx)
 	if err != nil {
 		return nil, err
+	}
+	rungs, err := rc.ladderOf(ctx, t.Machine.ProviderID)
+	if err != nil {
+		return nil, err
+	}
+	if len(rungs) == 0 {
+		cause := "no recovery rung applies to the machine (is the rung it was configured with, such as power without a BMC, possible?); " +
+			"fix the configuration and reset the machine's Recovery"
+		if err := t.Session.QuarantineRecovery(ctx, t.Machine.MachineID, cause); err != nil {
+			return nil, err
+		}
+		return nil, errors.New(cause)
 	}
 	clearAgent := func(ctx context.Context, tx *bmdb.Tx) error {
 		return tx.ClearAgent(ctx, t.Machine.MachineID)
 	}
-	a, err := t.Session.AdmitReboot(ctx, bmdb.RebootRequest{
+	req := bmdb.RebootRequest{
 		Provider: rc.p.Name(), MachineID: t.Machine.MachineID, Candidates: rc.candidates(),
-		Window: rc.cfg.Window, Max: max, StreakLimit: rc.cfg.MaxRebootsWithoutHeartbeat,
-	})
-	if err != nil {
-		return nil, err
+		Window: rc.cfg.Window, Max: budget, StreakLimit: max(rc.cfg.MaxRebootsWithoutHeartbeat, len(rungs)),
+		Ladder: rungs,
 	}
-	switch a.Decision {
-	case bmdb.RebootAdmitted:
-	case bmdb.RebootBudgetExhausted:
-		// Other workers (or processes) took the last reboots of the window
-		// between our check and our claim: give the machine back unjudged.
-		rc.breaker.refused(ctx)
-		return nil, errBreakerOpen
-	case bmdb.RebootNotSilent:
-		t.Log.InfoContext(ctx, "not rebooting: the machine is no longer silent")
-		return nil, fmt.Errorf("the machine is no longer silent: %w", ErrRetryLater)
-	case bmdb.RebootAlreadyIssued:
-		// A worker rebooted this agent incarnation and could not record
-		// it (it lost its session, or crashed): one reboot per silence.
-		t.Log.WarnContext(ctx, "not rebooting: this agent's machine was rebooted already; handing it to the initializer")
-		return clearAgent, nil
-	case bmdb.RebootStreakQuarantined:
-		return nil, errors.New(a.Cause)
-	default:
-		return nil, fmt.Errorf("admitting the reboot: unknown decision %q", a.Decision)
-	}
-	rctx, cancel := context.WithTimeout(ctx, rc.cfg.RebootTimeout)
-	defer cancel()
-	t.Log.InfoContext(ctx, "rebooting silent machine", "provider_id", t.Machine.ProviderID,
-		"reboots_in_window", a.InWindow, "reboots_without_heartbeat", a.Streak)
-	if err := rc.r.RebootMachine(rctx, t.Machine.ProviderID); err != nil {
-		err = fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
-		if ferr := t.Session.RebootFailed(ctx, a, !errors.Is(err, provider.ErrNotReached), err.Error()); ferr != nil {
-			t.Log.WarnContext(ctx, "recording the failed reboot", "err", ferr)
+	var climbed []bmdb.RungAttempt
+	for {
+		a, err := t.Session.AdmitReboot(ctx, req)
+		if err != nil {
+			return nil, err
 		}
-		return nil, err
+		switch a.Decision {
+		case bmdb.RebootAdmitted:
+		case bmdb.RebootBudgetExhausted:
+			// Other workers (or processes) took the last restarts of the
+			// window between our check and our claim: give the machine
+			// back unjudged.
+			rc.breaker.refused(ctx)
+			return nil, errBreakerOpen
+		case bmdb.RebootNotSilent:
+			t.Log.InfoContext(ctx, "not recovering: the machine is no longer silent")
+			return nil, fmt.Errorf("the machine is no longer silent: %w", ErrRetryLater)
+		case bmdb.RebootAlreadyIssued:
+			// A worker took a rung for this agent incarnation and could
+			// not record it (it lost its session, or crashed): one rung
+			// per silence.
+			t.Log.WarnContext(ctx, "not recovering: a rung was taken for this agent already; handing it to the initializer")
+			return clearAgent, nil
+		case bmdb.RebootStreakQuarantined:
+			return nil, errors.New(a.Cause)
+		default:
+			return nil, fmt.Errorf("admitting a recovery rung: unknown decision %q", a.Decision)
+		}
+		t.Log.InfoContext(ctx, "recovering silent machine", "rung", a.Rung, "provider_id", t.Machine.ProviderID,
+			"restarts_in_window", a.InWindow, "rungs_without_heartbeat", a.Streak)
+		err = rc.take(ctx, t, a.Rung)
+		if err == nil {
+			t.Note = fmt.Sprintf("recovery rung %s (%s) done; waiting for a heartbeat", a.Rung, a.Rung.Describe())
+			if len(climbed) > 0 {
+				t.Note += "; below it: " + bmdb.DescribeRungs(climbed)
+			}
+			return clearAgent, nil
+		}
+		if ctx.Err() != nil {
+			// Stopping (or out of time): what the rung did is unknown.
+			rc.rungFailed(ctx, t, a, true, err)
+			return nil, err
+		}
+		reached := !errors.Is(err, provider.ErrNotReached)
+		rc.rungFailed(ctx, t, a, reached, err)
+		climbed = append(climbed, bmdb.RungAttempt{Rung: a.Rung, Failed: true, Reached: reached, Result: err.Error()})
+		if a.Rung != rungs[len(rungs)-1] {
+			t.Log.WarnContext(ctx, "recovery rung failed, climbing", "rung", a.Rung, "err", err)
+			req.After = a.Rung
+			continue
+		}
+		if len(rungs) == 1 {
+			return nil, err
+		}
+		cause := "every recovery rung failed: " + bmdb.DescribeRungs(climbed) +
+			"; the machine needs an operator (reset its Recovery to climb again)"
+		if qerr := t.Session.QuarantineRecovery(ctx, t.Machine.MachineID, cause); qerr != nil {
+			return nil, fmt.Errorf("%s (quarantining: %w)", cause, qerr)
+		}
+		return nil, errors.New(cause)
 	}
-	return clearAgent, nil
+}
+
+// rungFailed records that rung a failed with err.
+func (rc *Recoverer) rungFailed(ctx context.Context, t *Task, a bmdb.RebootAdmission, reached bool, err error) {
+	if ferr := t.Session.RebootFailed(ctx, a, reached, err.Error()); ferr != nil {
+		t.Log.WarnContext(ctx, "recording the failed recovery rung", "rung", a.Rung, "err", ferr)
+	}
+}
+
+// ladderOf returns the rungs machine pid may take: the provider's choice
+// for it (provider.RungChooser) or the configured ladder, without the rungs
+// the machine cannot take.
+func (rc *Recoverer) ladderOf(ctx context.Context, pid string) ([]ladder.Rung, error) {
+	rungs := rc.cfg.Rungs
+	if ch, ok := rc.p.(provider.RungChooser); ok {
+		r, err := ch.RecoveryRungs(ctx, pid)
+		if err != nil {
+			return nil, fmt.Errorf("asking %s for the recovery rungs of %s: %w", rc.p.Name(), pid, err)
+		}
+		if r != nil {
+			rungs = r
+		}
+	}
+	out := make([]ladder.Rung, 0, len(rungs))
+	for _, r := range rungs {
+		switch r {
+		case ladder.Agent:
+			if rc.cfg.SSHKey == nil {
+				continue
+			}
+		case ladder.Power:
+			pc, ok := rc.p.(provider.PowerController)
+			if !ok {
+				continue
+			}
+			if _, err := pc.BMC(ctx, pid); errors.Is(err, provider.ErrNoBMC) {
+				continue
+			}
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// take carries out one rung. An error wrapping provider.ErrNotReached says
+// the rung certainly did nothing to the machine.
+func (rc *Recoverer) take(ctx context.Context, t *Task, r ladder.Rung) error {
+	pid := t.Machine.ProviderID
+	switch r {
+	case ladder.Agent:
+		return rc.checkSSH(ctx, t)
+	case ladder.Reboot:
+		rctx, cancel := context.WithTimeout(ctx, rc.cfg.RebootTimeout)
+		defer cancel()
+		if err := rc.r.RebootMachine(rctx, pid); err != nil {
+			return fmt.Errorf("rebooting through %s: %w", rc.p.Name(), err)
+		}
+		return nil
+	case ladder.Power:
+		return rc.powerCycle(ctx, t)
+	case ladder.Reinstall:
+		rctx, cancel := context.WithTimeout(ctx, rc.cfg.RebootTimeout)
+		defer cancel()
+		err := rc.r.ReinstallMachine(rctx, pid)
+		if errors.Is(err, provider.ErrUnsupported) {
+			return fmt.Errorf("reinstalling through %s: %w: %w", rc.p.Name(), err, provider.ErrNotReached)
+		} else if err != nil {
+			return fmt.Errorf("reinstalling through %s: %w", rc.p.Name(), err)
+		}
+		return nil
+	}
+	return fmt.Errorf("unknown recovery rung %q: %w", r, provider.ErrNotReached)
+}
+
+// checkSSH is the Agent rung: the machine's SSH server must complete a
+// handshake and accept Shepherd's login, with the host key the initializer
+// would accept, before the machine is handed to the initializer. A host
+// that does not answer needs a restart, and handing it over would only
+// stall it in the initializer's backoff.
+func (rc *Recoverer) checkSSH(ctx context.Context, t *Task) error {
+	target, trust, err := machineTarget(ctx, rc.db, rc.p, t.Machine.MachineID, t.Machine.ProviderID, rc.cfg.SSHUser, rc.cfg.SSHKey)
+	if err != nil {
+		return fmt.Errorf("%w: %w", err, provider.ErrNotReached)
+	}
+	trust.apply(&target)
+	dctx, cancel := context.WithTimeout(ctx, rc.cfg.ConnectTimeout)
+	defer cancel()
+	client, err := sshx.Dial(dctx, target)
+	if err != nil {
+		return fmt.Errorf("the machine does not answer SSH: %w: %w", trust.explain(ctx, rc.db, err), provider.ErrNotReached)
+	}
+	client.Close()
+	return nil
+}
+
+// powerCycle is the Power rung: a cycle through the machine's BMC, whose
+// result is recorded as the machine's last known power state.
+func (rc *Recoverer) powerCycle(ctx context.Context, t *Task) error {
+	pc, ok := rc.p.(provider.PowerController)
+	if !ok {
+		return fmt.Errorf("%s has no BMCs: %w", rc.p.Name(), provider.ErrNotReached)
+	}
+	bmc, err := pc.BMC(ctx, t.Machine.ProviderID)
+	if err != nil {
+		return fmt.Errorf("finding the BMC: %w: %w", err, provider.ErrNotReached)
+	}
+	pctx, cancel := context.WithTimeout(ctx, rc.cfg.PowerTimeout)
+	defer cancel()
+	found, err := bmc.Cycle(pctx)
+	reading := bmdb.PowerReading{BMC: bmc.Name, State: bmdb.PowerOn}
+	if err != nil {
+		reading = bmdb.PowerReading{BMC: bmc.Name, ErrorClass: power.Class(err), Error: err.Error()}
+	}
+	if rerr := rc.db.RecordPowerState(context.WithoutCancel(ctx), t.Machine.MachineID, reading); rerr != nil {
+		t.Log.WarnContext(ctx, "recording the power state", "err", rerr)
+	}
+	if err != nil {
+		err = fmt.Errorf("power cycle through %s: %w", bmc.Name, err)
+		// Nothing was done to the machine when the BMC refused us or the
+		// action: the breaker does not count it.
+		if errors.Is(err, power.ErrAuth) || errors.Is(err, power.ErrCertificate) || errors.Is(err, power.ErrUnsupported) {
+			err = fmt.Errorf("%w: %w", err, provider.ErrNotReached)
+		}
+		return err
+	}
+	t.Log.InfoContext(ctx, "power cycled", "bmc", bmc.Name, "found", found)
+	return nil
 }
 
 var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window used up: %w", ErrRetryLater)

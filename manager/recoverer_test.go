@@ -201,7 +201,7 @@ func TestRecovererReboots(t *testing.T) {
 		event bmdb.Event
 		cause string
 	}{
-		ok:          {bmdb.EventFinished, ""},
+		ok:          {bmdb.EventFinished, "recovery rung reboot (in-band reboot) done; waiting for a heartbeat"},
 		broken:      {bmdb.EventFailed, "rebooting through lab: power controller on fire"},
 		unreachable: {bmdb.EventFailed, "rebooting through lab: dialing the BMC: provider: the request did not reach the machine"},
 	} {
@@ -229,14 +229,14 @@ func TestRecovererReboots(t *testing.T) {
 	if err != nil || st.RebootsInWindow != 2 {
 		t.Errorf("breaker after the reboots: %+v, %v; want the 2 that reached their machines counted", st, err)
 	}
-	if got := logs.With("recording the failed reboot"); len(got) != 0 {
+	if got := logs.With("recording the failed recovery rung"); len(got) != 0 {
 		t.Errorf("recording the failed reboots failed: %v", got)
 	}
-	if got := logs.With("rebooting silent machine"); len(got) != 3 {
+	if got := logs.With("recovering silent machine"); len(got) != 3 {
 		t.Errorf("%d lines say a silent machine is rebooted, want 3", len(got))
 	}
-	for _, l := range logs.With("rebooting silent machine") {
-		if !strings.HasPrefix(l.Attr("provider_id"), "fleet-") || l.Attr("machine_id") == "" || l.Attr("reboots_in_window") == "" {
+	for _, l := range logs.With("recovering silent machine") {
+		if !strings.HasPrefix(l.Attr("provider_id"), "fleet-") || l.Attr("machine_id") == "" || l.Attr("restarts_in_window") == "" || l.Attr("rung") != "reboot" {
 			t.Errorf("reboot line without the machine: %v", l.Attrs)
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -91,6 +92,8 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.DurationVar(&rc.Window, "reboot-window", 10*time.Minute, "recoverer: the circuit breaker's window (at most 24h)")
 	fl.IntVar(&rc.MaxRebootsWithoutHeartbeat, "max-reboots-without-heartbeat", 3, "recoverer: quarantine a machine rebooted this many times without a heartbeat in between")
 	fl.Float64Var(&rc.SilentFraction, "silent-fraction", 0.25, "recoverer: no reboots while more than this fraction of started machines is silent")
+	rc.Rungs = ladder.Default
+	fl.Var((*rungsFlag)(&rc.Rungs), "recovery-rungs", "recoverer: the recovery ladder's rungs for machines whose provider chooses none, from "+ladder.Join(ladder.All)+" (always climbed in that order)")
 
 	pr := &cfg.Provisioner
 	fl.DurationVar(&pr.Period, "provisioner-period", 30*time.Second, "provisioner: time between reconcile passes")
@@ -266,4 +269,18 @@ func defaultAgentPath() string {
 		return "shepherd-agent"
 	}
 	return filepath.Join(filepath.Dir(exe), "shepherd-agent")
+}
+
+// rungsFlag binds --recovery-rungs to a ladder.
+type rungsFlag []ladder.Rung
+
+func (f *rungsFlag) String() string { return ladder.Join(*f) }
+func (f *rungsFlag) Type() string   { return "rungs" }
+func (f *rungsFlag) Set(s string) error {
+	r, err := ladder.ParseList(s)
+	if err != nil {
+		return err
+	}
+	*f = r
+	return nil
 }

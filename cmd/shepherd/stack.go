@@ -346,7 +346,9 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 		b.add(compInitializer, in.Run)
 	}
 	if has(compRecoverer) {
-		rc, err := manager.NewRecoverer(cfg.Recoverer, s.db, p, s.reg, s.log)
+		rcfg := cfg.Recoverer
+		rcfg.SSHKey, rcfg.SSHUser, rcfg.ConnectTimeout = signer, cfg.SSHUser, cfg.Initializer.ConnectTimeout
+		rc, err := manager.NewRecoverer(rcfg, s.db, p, s.reg, s.log)
 		if err != nil {
 			return err
 		}

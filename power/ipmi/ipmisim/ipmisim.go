@@ -463,6 +463,9 @@ func (b *BMC) Calls() ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ipmisim: reading the hook's calls: %w", err)
 	}
+	if len(data) == 0 {
+		return nil, nil // no call yet: not one empty call
+	}
 	return strings.Split(strings.TrimSuffix(string(data), "\n"), "\n"), nil
 }
 

@@ -1,0 +1,203 @@
+package e2e
+
+import (
+	"context"
+	"crypto/ed25519"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"golang.org/x/crypto/ssh"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/sshtest"
+	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/ladder"
+	"github.com/shepherd/shepherd/power/ipmi/ipmisim"
+)
+
+// TestLadderReachesTheBMC: shepherd run with every component manages two
+// machines of a static inventory, real OpenSSH servers standing in for whole
+// machines, each behind its own IPMI BMC (OpenIPMI's ipmi_sim, whose chassis
+// control really cuts and restores the machine's power). On m1 the agent is
+// killed: the ladder's first rung restarts it over SSH, without a reboot.
+// On m2 the agent hangs (SIGSTOP) and sshd dies: the agent rung finds no SSH
+// answer, the in-band reboot (the inventory's reboot command, over SSH)
+// cannot reach the machine, and the power cycle through the BMC brings it
+// back: Healthy with a new agent, history listing rungs 1–3 and what each
+// returned.
+func TestLadderReachesTheBMC(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	dir := t.TempDir()
+	dataDir := filepath.Join(dir, "data")
+	signer, err := sshx.LoadOrCreateKey(filepath.Join(dataDir, "ssh_key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agents := filepath.Join(dir, "agents")
+	t.Cleanup(func() { stopAgents(t, agents) })
+
+	var inv strings.Builder
+	inv.WriteString("machines:\n")
+	var machines []*sshtest.Machine
+	var bmcs []*ipmisim.BMC
+	for i := range 2 {
+		id := fmt.Sprintf("m%d", i+1)
+		m := sshtest.StartMachine(t, sshtest.Config{AuthorizedKeys: []ssh.PublicKey{signer.PublicKey()}})
+		on, off := m.PowerCommands()
+		b := ipmisim.Start(t, ipmisim.Config{On: true, PowerOn: on, PowerOff: off})
+		pw := filepath.Join(dir, id+".pw")
+		if err := os.WriteFile(pw, []byte(b.Password.Reveal()+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		machines, bmcs = append(machines, m), append(bmcs, b)
+		hostKey := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(m.HostKey)))
+		// The in-band reboot kills the agent and restarts sshd, as a
+		// reboot would; it needs a live sshd to run at all.
+		reboot := fmt.Sprintf("kill $(cat %s) 2>/dev/null; kill -HUP $(cat %s)", pidFile(agents, id), m.PIDFile())
+		fmt.Fprintf(&inv, `  - id: %s
+    address: %s
+    port: %d
+    ssh_user: %s
+    host_key: %q
+    reboot_command: %q
+    bmc:
+      driver: ipmi
+      address: %s
+      port: %d
+      username: %s
+      password_file: %s
+`, id, m.Addr.Addr(), m.Addr.Port(), m.User, hostKey, reboot, b.Addr.Addr(), b.Addr.Port(), b.Username, pw)
+	}
+	invPath, cfgPath := filepath.Join(dir, "inventory.yaml"), filepath.Join(dir, "static.yaml")
+	if err := os.WriteFile(invPath, []byte(inv.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// BMC calls 200ms apart (SPEC's 5s default would only slow the test;
+	// ipmi_sim takes it), a command re-sent after 5s without effect.
+	if err := os.WriteFile(cfgPath, []byte("inventory: "+invPath+"\nname: lab\nbmc_min_interval: 200ms\nbmc_settle: 5s\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	startShepherd(t, "run", "--components", "all", "--database-url", db.URL, "--data-dir", dataDir,
+		"--provider", "static", "--provider-config", cfgPath,
+		"--agent", filepath.Join(binaries(t), "shepherd-agent"), "--agent-dir", filepath.Join(agents, "{provider_id}"),
+		"--server-listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--heartbeat-interval", "1s",
+		"--heartbeat-timeout", "5s", "--first-heartbeat-timeout", "60s", "--silent-fraction", "0.5",
+		"--provisioner-period", "500ms", "--ssh-exec-timeout", "2m", "--ssh-connect-timeout", "10s", "--log-level", "info",
+		"--recovery-rungs", ladder.Join(ladder.Default),
+		// See TestSSHEndToEnd: a machine just powered on may refuse the
+		// first takeover on a loaded machine; retry within seconds.
+		"--initializer-backoff", "2s,10s,1.5,20")
+
+	waitStates(t, db, "lab", 3*time.Minute, "both machines Healthy", func(st map[bmdb.MachineState]int64) bool {
+		return st[bmdb.StateHealthy] == 2
+	})
+	ids := make([]bmdbMachine, 2)
+	for i := range ids {
+		ids[i] = lookupMachine(t, db, fmt.Sprintf("m%d", i+1))
+	}
+
+	// m1: the agent dies; sshd answers. Rung 1 restarts the agent.
+	if err := syscall.Kill(readPid(t, pidFile(agents, "m1")), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitRecovered(t, db, "lab", ids[0].id, ids[0].key, 2, nil)
+	rec := recoveryHistory(t, db, ids[0].id)
+	if last := rec[len(rec)-1]; !strings.HasPrefix(last.Cause, "recovery rung agent (") || strings.Contains(last.Cause, "below it") {
+		t.Errorf("m1's recovery ended with %q, want rung agent alone", last.Cause)
+	}
+	if log, _ := os.ReadFile(machines[0].LogPath()); strings.Contains(string(log), "Received SIGHUP") {
+		t.Error("m1 was rebooted although restarting its agent did")
+	}
+	if calls, err := bmcs[0].Calls(); err != nil || len(calls) != 0 {
+		t.Errorf("m1's BMC was called (%v, %v) although restarting the agent did", calls, err)
+	}
+
+	// m2: the agent hangs and sshd dies.
+	agentPid := readPid(t, pidFile(agents, "m2"))
+	if err := syscall.Kill(agentPid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	sshdPid := readPid(t, machines[1].PIDFile())
+	if err := syscall.Kill(sshdPid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitRecovered(t, db, "lab", ids[1].id, ids[1].key, 2, nil)
+	rec = recoveryHistory(t, db, ids[1].id)
+	cause := rec[len(rec)-1].Cause
+	for _, want := range []string{
+		"recovery rung power (power cycle through the BMC) done",
+		"agent (restart the agent over SSH): failed: the machine does not answer SSH",
+		"reboot (in-band reboot): failed:",
+	} {
+		if !strings.Contains(cause, want) {
+			t.Errorf("m2's recovery ended with %q, want it to say %q", cause, want)
+		}
+	}
+	if machines[1].Runs(agentPid) {
+		t.Error("m2's hung agent survived the power cycle")
+	}
+	calls, err := bmcs[1].Calls()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(calls, ","); !strings.Contains(got, "set power 0") || !strings.Contains(got, "set power 1") {
+		t.Errorf("m2's BMC saw %q, want a power off and on", got)
+	}
+	// The ladder's record: rungs 1 and 2 failed without reaching the
+	// machine, rung 3 stands; only rung 3 counts as a restart.
+	tried, err := db.RecoveryStreak(t.Context(), ids[1].id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tried) != 0 {
+		t.Errorf("m2 heartbeats again, but its streak is %v", tried)
+	}
+	var rungs []string
+	if err := db.Pool.QueryRow(t.Context(), `SELECT array_agg(rung || ':' || failed ORDER BY admission_id) FROM recovery_admissions WHERE machine_id = $1`, ids[1].id).Scan(&rungs); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(rungs, " "); got != "agent:true reboot:true power:false" {
+		t.Errorf("m2's admissions: %s, want agent and reboot failed, power done", got)
+	}
+	d, err := db.GetMachine(t.Context(), ids[1].id)
+	if err != nil || d.Power == nil || d.Power.State != bmdb.PowerOn {
+		t.Errorf("m2's recorded power state: %+v, %v; want on", d.Power, err)
+	}
+}
+
+// bmdbMachine is a machine's id and its agent's key when looked up.
+type bmdbMachine struct {
+	id  uuid.UUID
+	key ed25519.PublicKey
+}
+
+func lookupMachine(t *testing.T, db *bmdbtest.DB, pid string) bmdbMachine {
+	t.Helper()
+	id, err := db.MachineByProviderID(t.Context(), "lab", pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, key, err := db.GetAgentStarted(t.Context(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bmdbMachine{id: id, key: key}
+}
+
+// recoveryHistory returns machine's Recovery history; it must not be empty.
+func recoveryHistory(t *testing.T, db *bmdbtest.DB, machine uuid.UUID) []bmdb.HistoryEvent {
+	t.Helper()
+	h, err := db.History(context.WithoutCancel(t.Context()), bmdb.HistoryFilter{MachineID: machine, Process: bmdb.ProcessRecovery})
+	if err != nil || len(h) == 0 {
+		t.Fatalf("recovery history: %v, %v", h, err)
+	}
+	return h
+}
