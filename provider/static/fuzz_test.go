@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -42,10 +43,17 @@ machines:
 	f.Add([]byte("machines:\n  - &x {id: a, address: 10.0.0.1}\n  - *x\n"))
 	f.Add([]byte("machines:\n  - id: a\n    password: x\n    ssh_key: y\n"))
 	f.Add([]byte("a: &a [*a]\n"))
+	f.Add([]byte(`defaults:
+  recovery_rungs: [agent, reboot]
+machines:
+  - {id: a, address: 10.0.0.1, recovery_rungs: [power, agent], bmc: {driver: ipmi, address: 10.1.0.1, username: u, password_env: PW}}
+  - {id: b, address: 10.0.0.2, recovery_rungs: [reinstall]}
+  - {id: c, address: 10.0.0.3, recovery_rungs: [power]}
+`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		env := func(string) (string, bool) { return fuzzSecret, true }
 		read := func(string) ([]byte, fileID, error) { return []byte(fuzzSecret + "\n"), fileID{}, nil }
-		inv, _, err := parseWith("F", data, env, read)
+		inv, _, err := parseWith("F", data, env, read, nil)
 		if (inv == nil) == (err == nil) {
 			t.Fatalf("parse returned %v and %v", inv, err)
 		}
@@ -68,8 +76,14 @@ machines:
 			if !provider.ValidID(m.id) || !m.addr.IsValid() || m.addr.Port() == 0 {
 				t.Errorf("accepted machine %q at %s", m.id, m.addr)
 			}
-			if e := inv.byID[m.id]; e.rebootCommand == "" {
+			e := inv.byID[m.id]
+			if e.rebootCommand == "" {
 				t.Errorf("machine %q has no reboot command", m.id)
+			}
+			if e.rungs != nil {
+				if ordered, err := checkRungs(e.rungs); err != nil || !slices.Equal(ordered, e.rungs) || slices.Contains(e.rungs, ladder.Power) && e.bmc == nil {
+					t.Errorf("machine %q has the recovery ladder %v (BMC %v)", m.id, e.rungs, e.bmc)
+				}
 			}
 		}
 	})

@@ -17,6 +17,7 @@ import (
 
 	"github.com/shepherd/shepherd/internal/secret"
 	"github.com/shepherd/shepherd/internal/sshx"
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -46,6 +47,9 @@ type entry struct {
 	rebootCommand string
 	// bmc is the machine's BMC; nil if it has none.
 	bmc *power.Spec
+	// rungs is the machine's recovery ladder (its own recovery_rungs, the
+	// defaults' or the provider's); nil for the recoverer's default.
+	rungs []ladder.Rung
 	// trustOnFirstUse lets password and signer go to a host whose key is
 	// neither pinned nor recorded yet.
 	trustOnFirstUse bool
@@ -57,7 +61,10 @@ type parser struct {
 	file      string // as given in Config.Inventory, for messages
 	lookupEnv func(string) (string, bool)
 	readFile  func(string) ([]byte, fileID, error) // reads a secret file
-	problems  []string
+	// providerRungs is Config.RecoveryRungs: the ladder of machines for
+	// which neither they nor the defaults give one.
+	providerRungs []ladder.Rung
+	problems      []string
 	// secrets are the secret files the inventory names, as they were read.
 	secrets map[string]fileID
 }
@@ -68,13 +75,14 @@ type parser struct {
 // the provider read the inventory again). The error lists the problems
 // found, each as "FILE:LINE: what", and never contains a secret.
 func parse(file string, data []byte, lookupEnv func(string) (string, bool)) (*inventory, map[string]fileID, error) {
-	return parseWith(file, data, lookupEnv, readSecretFile)
+	return parseWith(file, data, lookupEnv, readSecretFile, nil)
 }
 
 // parseWith is parse with secret files read by readFile, so that the fuzz
-// test need not open the paths it makes up.
-func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, fileID, error)) (*inventory, map[string]fileID, error) {
-	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile, secrets: map[string]fileID{}}
+// test need not open the paths it makes up, and with providerRungs
+// (Config.RecoveryRungs) as the ladder of machines the file gives none.
+func parseWith(file string, data []byte, lookupEnv func(string) (string, bool), readFile func(string) ([]byte, fileID, error), providerRungs []ladder.Rung) (*inventory, map[string]fileID, error) {
+	p := &parser{file: file, lookupEnv: lookupEnv, readFile: readFile, providerRungs: providerRungs, secrets: map[string]fileID{}}
 	inv := p.parse(data)
 	if len(p.problems) > 0 {
 		return nil, p.secrets, p.err()
@@ -297,6 +305,7 @@ type defaultsSection struct {
 	rebootCommand   string
 	trustOnFirstUse bool
 	bmc             *bmcBlock // shared fields of the machines' bmc blocks
+	rungs           rungList  // the ladder of machines without recovery_rungs of their own
 }
 
 func (p *parser) defaults(n *yaml.Node) defaultsSection {
@@ -331,6 +340,8 @@ func (p *parser) defaults(n *yaml.Node) defaultsSection {
 			}
 		case "bmc":
 			d.bmc = p.bmcBlock(where, f)
+		case "recovery_rungs":
+			d.rungs = p.rungList(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -380,6 +391,8 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 
 	var addr, port, user, pwFile, pwEnv, keyFile, keyEnv, hostKey, reboot, tofu scalar
 	var bmc *bmcBlock
+	var hasBMC bool // a bmc block is given, good or not
+	var rungs rungList
 	e := &entry{m: &machine{id: id.v}}
 	for _, f := range fs {
 		switch f.key {
@@ -407,7 +420,9 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 		case "trust_on_first_use":
 			tofu = p.scalar(where, f)
 		case "bmc":
-			bmc = p.bmcBlock(where, f)
+			bmc, hasBMC = p.bmcBlock(where, f), !isNull(f.val)
+		case "recovery_rungs":
+			rungs = p.rungList(where, f)
 		default:
 			p.unknownField(where, f)
 		}
@@ -464,6 +479,10 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 		e.signer = p.privateKey(where, key, keyFile, keyEnv)
 	}
 	e.bmc = p.bmcSpec(where, d.bmc, bmc)
+	// Whether the machine has a BMC is its bmc block's presence, not
+	// whether the block is good: a broken block is reported already, and
+	// "power needs a bmc block" on top would mislead.
+	e.rungs = p.machineRungs(where, rungs, d.rungs, p.providerRungs, hasBMC, n.Line)
 	if len(p.problems) > before {
 		return nil, id
 	}

@@ -181,7 +181,7 @@ func (p *Provider) poll() {
 		p.log.Info("a secret file the inventory names changed, reading the inventory again",
 			slog.String("file", p.cfg.Inventory), slog.String("secret_file", changed))
 	}
-	inv, secrets, err := parse(p.cfg.Inventory, data, p.lookupEnv)
+	inv, secrets, err := parseWith(p.cfg.Inventory, data, p.lookupEnv, readSecretFile, p.cfg.RecoveryRungs)
 	p.seen.secrets = secrets
 	if err != nil {
 		p.failed(err)
@@ -213,7 +213,7 @@ func (p *Provider) load() (*inventory, error) {
 		p.seen = fileState{readErr: err.Error()}
 		return nil, fmt.Errorf("reading inventory: %w", err)
 	}
-	inv, secrets, err := parse(p.cfg.Inventory, data, p.lookupEnv)
+	inv, secrets, err := parseWith(p.cfg.Inventory, data, p.lookupEnv, readSecretFile, p.cfg.RecoveryRungs)
 	p.seen = fileState{modTime: fi.ModTime(), size: fi.Size(), sum: sha256.Sum256(data), secrets: secrets}
 	return inv, err
 }

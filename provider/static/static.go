@@ -14,6 +14,7 @@
 //	    driver: ipmi
 //	    username: ADMIN
 //	    password_file: /etc/shepherd/bmc.pw
+//	  recovery_rungs: [agent, reboot]   # optional; see Recovery ladder
 //	machines:
 //	  - id: rack1-node7            # required; 1-128 bytes; unique; any string (not a UUID)
 //	    address: 10.0.0.7          # required; an IP address (v4 or v6), no host names
@@ -41,6 +42,7 @@
 //	      insecure_skip_verify: false           # redfish only; true accepts any certificate
 //	      auth: session            # redfish only; basic, session, or unset: a session when
 //	                               # the BMC offers one
+//	    recovery_rungs: [agent, reboot, power]   # optional; replaces defaults.recovery_rungs
 //	  - id: n2
 //	    address: "2001:db8::2"
 //
@@ -56,6 +58,19 @@
 // bmc block has no BMC, whatever the defaults say. BMC passwords follow the
 // rules of SSH secrets: a file or a variable, never in a log, error, page or
 // metric; a changed password file is noticed like any secret file.
+//
+// # Recovery ladder
+//
+// recovery_rungs lists the rungs of the recovery ladder (package ladder)
+// the recoverer may take for a machine: agent, reboot and power, in any
+// order (the ladder climbs cheapest first). A machine's list replaces the
+// defaults' list as a whole, and the defaults' list replaces the provider
+// config's recovery_rungs (Config.RecoveryRungs); without any, the
+// recoverer's default applies. A list may be neither empty nor name a rung
+// twice. reinstall is refused: a static inventory cannot reinstall a
+// machine. power is refused for a machine without a bmc block, wherever its
+// list comes from: give it a bmc block or a list of its own without power.
+// RecoveryRungs reads the inventory in force, so a reload applies at once.
 //
 // # Host keys and secrets
 //
@@ -129,6 +144,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -154,6 +170,11 @@ type Config struct {
 	// OpenBMC opens the driver of a machine's BMC; nil means bmc.Open,
 	// every driver Shepherd has.
 	OpenBMC func(power.Spec) (power.Driver, error)
+	// RecoveryRungs is the recovery ladder of every machine for which
+	// neither it nor the inventory's defaults give recovery_rungs; nil
+	// means the recoverer's default. Reinstall is refused, and so is Power
+	// when a machine it applies to has no bmc block.
+	RecoveryRungs []ladder.Rung
 }
 
 // Validate names the field and the bad value. It changes nothing.
@@ -170,12 +191,18 @@ func (c Config) Validate() error {
 	if err := c.Power.Validate(); err != nil {
 		return fmt.Errorf("static: %w", err)
 	}
+	if len(c.RecoveryRungs) > 0 {
+		if _, err := checkRungs(c.RecoveryRungs); err != nil {
+			return fmt.Errorf("static: RecoveryRungs: %w", err)
+		}
+	}
 	return nil
 }
 
 // Provider is the static inventory provider. It implements
 // provider.Provider, provider.Recoverer, provider.SSHAccessor,
-// provider.PowerController and provider.Runner; all methods are safe for concurrent use.
+// provider.PowerController, provider.RungChooser and provider.Runner; all
+// methods are safe for concurrent use.
 type Provider struct {
 	cfg       Config
 	log       *slog.Logger
@@ -201,6 +228,7 @@ var (
 	_ provider.SSHAccessor     = (*Provider)(nil)
 	_ provider.Runner          = (*Provider)(nil)
 	_ provider.PowerController = (*Provider)(nil)
+	_ provider.RungChooser     = (*Provider)(nil)
 )
 
 // New loads the inventory; a broken file is an error that names file:line.
@@ -216,6 +244,12 @@ func newProvider(cfg Config, lookupEnv func(string) (string, bool)) (*Provider, 
 	cfg.Name = cmp.Or(cfg.Name, defaultName) // cfg is a copy; the caller's value is untouched
 	cfg.ReloadInterval = cmp.Or(cfg.ReloadInterval, defaultReloadInterval)
 	cfg.SSHTimeout = cmp.Or(cfg.SSHTimeout, defaultSSHTimeout)
+	if len(cfg.RecoveryRungs) > 0 {
+		// In ladder order, and a copy the caller cannot change under us.
+		cfg.RecoveryRungs, _ = checkRungs(cfg.RecoveryRungs) // validated above
+	} else {
+		cfg.RecoveryRungs = nil
+	}
 	log := cfg.Env.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -245,14 +279,16 @@ func newProvider(cfg Config, lookupEnv func(string) (string, bool)) (*Provider, 
 }
 
 // factoryKeys are the keys of the Factory's configuration, for messages.
-const factoryKeys = "inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts"
+const factoryKeys = "inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts, recovery_rungs"
 
 // Factory is the provider.Factory for the registry: config is YAML
 // {inventory: PATH, name: NAME, reload_interval: 5s, ssh_timeout: 30s}
 // (unknown keys rejected). Only inventory is required. The keys
 // bmc_min_interval, bmc_call_timeout, bmc_settle and bmc_attempts set
 // Config.Power (power.Config), for BMCs that need slower pacing than the
-// defaults or tolerate faster.
+// defaults or tolerate faster. recovery_rungs, a list such as [agent,
+// reboot], sets Config.RecoveryRungs: the ladder of the machines for which
+// the inventory gives none.
 func Factory(_ context.Context, env provider.Env, config []byte) (provider.Provider, error) {
 	cfg, err := parseFactoryConfig(config)
 	if err != nil {
@@ -285,6 +321,17 @@ func parseFactoryConfig(config []byte) (Config, error) {
 			return cfg, fmt.Errorf("static: config line %d: %s given twice (first at line %d)", k.Line, k.Value, first)
 		}
 		seen[k.Value] = k.Line
+		if k.Value == "recovery_rungs" { // the only key that takes a list
+			if isNull(v) {
+				continue // left out, as in the inventory
+			}
+			rungs, _, line, err := readRungs(k.Value, v)
+			if err != nil {
+				return cfg, fmt.Errorf("static: config line %d: %w", line, err)
+			}
+			cfg.RecoveryRungs = rungs
+			continue
+		}
 		if v.Kind != yaml.ScalarNode {
 			return cfg, fmt.Errorf("static: config line %d: %s must be a single value", v.Line, k.Value)
 		}

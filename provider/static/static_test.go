@@ -208,13 +208,13 @@ func TestFactory(t *testing.T) {
 	for _, tt := range []struct{ config, want string }{
 		{"", "static: Inventory is required"},
 		{"# nothing\n", "static: Inventory is required"},
-		{"inventory: x\nreload: 5s\n", `static: config line 2: unknown key "reload" (known: inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts)`},
+		{"inventory: x\nreload: 5s\n", `static: config line 2: unknown key "reload" (known: inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts, recovery_rungs)`},
 		{"inventory: x\nbmc_attempts: many\n", `static: config line 2: bmc_attempts: strconv.Atoi: parsing "many": invalid syntax`},
 		{"inventory: x\nbmc_settle: -1s\n", "static: power settle -1s: want 0 (default 1m0s) or more"},
 		{"inventory: x\nssh_timeout: soon\n", `static: config line 2: ssh_timeout: time: invalid duration "soon"`},
 		{"inventory: x\nreload_interval: -1s\n", "static: ReloadInterval must be >= 0 (0 = default), got -1s"},
 		{"inventory: x\ninventory: y\n", "static: config line 2: inventory given twice (first at line 1)"},
-		{"- inventory\n", "static: config line 1: want a mapping with keys inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts"},
+		{"- inventory\n", "static: config line 1: want a mapping with keys inventory, name, reload_interval, ssh_timeout, bmc_min_interval, bmc_call_timeout, bmc_settle, bmc_attempts, recovery_rungs"},
 		{"inventory: [x\n", "static: config: line 1: did not find expected ',' or ']'"},
 	} {
 		_, err := Factory(t.Context(), provider.Env{}, []byte(tt.config))
