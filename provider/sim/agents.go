@@ -230,6 +230,8 @@ func (f *Fleet) startAgent(a *daemon, boot uint32) error {
 		err = errors.New("the simulated fleet has stopped")
 	case s.boot != boot:
 		err = errors.New("the machine rebooted during the takeover")
+	case s.hung:
+		err = errors.New("the machine hung during the takeover")
 	default:
 		if s.agent != nil {
 			old = f.stopAgentLocked(s.agent)
@@ -320,8 +322,13 @@ func (f *Fleet) Adopt(endpoint string, caDER []byte, machines []Adoption) (ed255
 		return nil, errors.New("sim: adopting: the simulated fleet has stopped")
 	}
 	for n, i := range idx {
-		if f.slots[i].killed {
+		switch s := &f.slots[i]; {
+		case s.killed:
 			return nil, fmt.Errorf("sim: adopting %s: the machine is killed", machines[n].ProviderID)
+		case s.off:
+			return nil, fmt.Errorf("sim: adopting %s: the machine is powered off", machines[n].ProviderID)
+		case s.hung:
+			return nil, fmt.Errorf("sim: adopting %s: the machine is hung", machines[n].ProviderID)
 		}
 	}
 	for n, i := range idx {

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"net"
 	"time"
 
 	"connectrpc.com/connect"
@@ -32,9 +33,9 @@ type Observer interface {
 	// never left the machine.
 	HeartbeatFailed(id, machineID string, sent time.Time)
 	// Rebooted: machine id was really rebooted at the given time (provider
-	// RebootMachine or ReinstallMachine, or Config.RebootCommand run over
-	// SSH); not for failed or hung reboots, and not for the agent's own
-	// reboot after an installation.
+	// RebootMachine or ReinstallMachine, Config.RebootCommand run over
+	// SSH, or its BMC powering it on after an off); not for failed or hung
+	// reboots, and not for the agent's own reboot after an installation.
 	Rebooted(id string, at time.Time)
 	// AgentStarted: a takeover started an agent for machineID on id (Adopt
 	// does not call it).
@@ -132,6 +133,69 @@ func (f *Fleet) Partition(id string, on bool) error {
 	return nil
 }
 
+// Hang freezes machines as a kernel hang does: their agents stop sending
+// heartbeats (they stay, silenced, as Agent reports), their SSH servers
+// stop answering (open connections close, and dials fail at once with
+// ErrUnreachable), and in-band reboots (RebootMachine, ReinstallMachine,
+// Config.RebootCommand) cannot reach them: the provider's fail with an
+// error wrapping provider.ErrNotReached. What ends the running system ends
+// the hang: a power cycle through the machine's BMC (see Config.BMC), Kill,
+// release; Revive ends it too, as if the machine recovered by itself.
+// Hanging a hung machine does nothing. Nothing is hung if any id is unknown
+// or names a machine that is not running (not provisioned, killed, powered
+// off), so a benchmark hangs N machines with one call.
+func (f *Fleet) Hang(ids ...string) error {
+	idx := make([]int32, len(ids))
+	for n, id := range ids {
+		i, err := f.lookup(id)
+		if err != nil {
+			return fmt.Errorf("sim: hanging: %w", err)
+		}
+		idx[n] = i
+	}
+	f.mu.Lock()
+	for n, i := range idx {
+		s := &f.slots[i]
+		var why string
+		switch {
+		case !s.used:
+			why = "not provisioned"
+		case s.killed:
+			why = "killed"
+		case s.off:
+			why = "powered off"
+		}
+		if why != "" {
+			f.mu.Unlock()
+			return fmt.Errorf("sim: hanging %s: the machine is %s, nothing runs on it to hang", ids[n], why)
+		}
+	}
+	var conns []net.Conn
+	for _, i := range idx {
+		s := &f.slots[i]
+		if s.hung {
+			continue
+		}
+		s.hung = true
+		f.stats.Hung++
+		if a := s.agent; a != nil && !a.silenced {
+			a.silenced = true
+			f.queue.remove(a)
+			f.stats.AgentsSilenced++
+		}
+		for c := range f.conns[i] {
+			conns = append(conns, c)
+		}
+		delete(f.conns, i)
+	}
+	f.mu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
+	f.log.Info("machines hung", "machines", len(ids))
+	return nil
+}
+
 // Provision marks slots as machines of ours without taking them over, as
 // the machines of a static inventory are: each becomes used (reachable over
 // SSH, rebootable), with no agent. Provisioning a used slot does nothing.
@@ -158,7 +222,7 @@ func (f *Fleet) Provision(ids ...string) error {
 
 // Agent reports the agent running on machine id: the BMDB machine id it
 // heartbeats as ("" if no agent runs), and whether it is alive: running,
-// not silenced, on a machine that is not killed. A partitioned agent is
+// not silenced, on a machine that is not killed or hung. A partitioned agent is
 // alive. Unknown ids report "", false.
 func (f *Fleet) Agent(id string) (machineID string, alive bool) {
 	i, ok := f.index(id)
@@ -171,7 +235,7 @@ func (f *Fleet) Agent(id string) (machineID string, alive bool) {
 	if s.agent == nil {
 		return "", false
 	}
-	return s.agent.machineID, !s.agent.silenced && !s.killed
+	return s.agent.machineID, !s.agent.silenced && !s.killed && !s.hung
 }
 
 // observeRebooted tells the observer, if any, that slot i rebooted at at.

@@ -30,7 +30,7 @@ func newMetrics(reg prometheus.Registerer, name string) (*metrics, error) {
 		}, []string{"result"}),
 		reboots: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name:        "shepherd_sim_reboots_total",
-			Help:        "Reboots and reinstalls asked of the simulated provider, by result.",
+			Help:        "Reboots and reinstalls of simulated machines (the provider's, the reboot command's, a BMC's power on), by result.",
 			ConstLabels: labels,
 		}, []string{"result"}),
 		agents: prometheus.NewGauge(prometheus.GaugeOpts{

@@ -14,11 +14,19 @@
 // never contents.
 //
 // Chaos: besides the failure rates of Config, a test driver can kill,
-// silence and revive machines, make their reboots fail or hang
+// silence, hang and revive machines, make their reboots fail or hang
 // (SetRebootFault), cut their heartbeats off (Partition), and learn what
 // really happened through Config.Observer. ServeSSH serves a machine's SSH
 // server on a real TCP listener, so that other processes reach it as they
 // would a real machine, e.g. through the static provider after Provision.
+//
+// Out-of-band power: with Config.BMC, machines get simulated BMCs (the
+// Fleet is a provider.PowerController) whose power state drives the
+// machine: off ends its system, on boots it as a reboot does. Their faults
+// are those of real BMCs (busy, wrong credentials, hung, dropped commands,
+// power-on refused after power-off). Hang freezes machines so that only a
+// power cycle brings them back: their agents fall silent, their SSH servers
+// do not answer, and in-band reboots cannot reach them.
 //
 // Scale: a slot is a small struct in one slice, so 100,000 machines cost a
 // few megabytes until they are used. There is no goroutine per machine: SSH
@@ -118,6 +126,10 @@ type Config struct {
 	// Observer, if set, is told what really happens (heartbeats answered,
 	// reboots, agents started). It is not part of the YAML configuration.
 	Observer Observer
+	// BMC gives machines simulated BMCs (see BMCConfig); nil, the default,
+	// gives none, and BMC answers provider.ErrNoBMC for every machine. A
+	// pointer so that Config stays comparable.
+	BMC *BMCConfig
 }
 
 // Validate names the first bad field and its value. It changes nothing.
@@ -151,6 +163,9 @@ func (c Config) Validate() error {
 		if math.IsNaN(r.v) || r.v < 0 || r.v > 1 {
 			return fmt.Errorf("sim: %s must be between 0 and 1, got %v", r.name, r.v)
 		}
+	}
+	if c.BMC != nil {
+		return c.BMC.validate(cmp.Or(c.Machines, 50), c.Seed)
 	}
 	return nil
 }
@@ -191,11 +206,20 @@ type slot struct {
 	// partitioned drops the heartbeats of the machine's agents (Partition).
 	partitioned bool
 	rebootFault uint8 // a RebootFault (SetRebootFault)
+	// hung: the running system froze (Hang) until it ends (power cycle,
+	// Kill, release) or Revive.
+	hung bool
+	// off: the last power command its BMC carried out was Off. powerAt is
+	// when that command's state shows at the BMC (offset from Fleet.start);
+	// the machine itself goes down at once.
+	off     bool
+	powerAt time.Duration
 }
 
 // Fleet is a simulated fleet. It implements provider.Provider,
-// provider.Recoverer, provider.Releaser, provider.SSHAccessor and
-// provider.Runner. Create it with New and run its heartbeats with Run.
+// provider.Recoverer, provider.Releaser, provider.SSHAccessor,
+// provider.PowerController (see Config.BMC) and provider.Runner. Create
+// it with New and run its heartbeats with Run.
 type Fleet struct {
 	cfg     Config
 	log     *slog.Logger
@@ -226,6 +250,13 @@ type Fleet struct {
 
 	wake  chan struct{}  // tells the scheduler the queue's head changed
 	conWG sync.WaitGroup // goroutines serving SSH connections
+
+	// bmc says which machines have a BMC, and which faults; nil without
+	// Config.BMC.
+	bmc *bmcPlan
+	// bmcs are the BMCs handed out, by machine: one controller each, kept
+	// so that its pacing holds across callers; guarded by mu.
+	bmcs map[int32]*simBMC
 }
 
 // New validates cfg and returns a fleet of cfg.Machines unused slots.
@@ -271,6 +302,10 @@ func New(cfg Config) (*Fleet, error) {
 		pools:    map[string]*sharedPool{},
 		wake:     make(chan struct{}, 1),
 		agentKey: ed25519.NewKeyFromSeed(sha256Of("shepherd-sim agent key\x00", seed[:])),
+		bmcs:     map[int32]*simBMC{},
+	}
+	if cfg.BMC != nil {
+		f.bmc = newBMCPlan(*cfg.BMC, cfg.Machines, cfg.Seed)
 	}
 	f.stats.Slots = cfg.Machines
 	return f, nil
@@ -341,6 +376,7 @@ type machine struct {
 	index  int32
 	used   bool
 	killed bool
+	off    bool
 }
 
 var _ provider.Described = (*machine)(nil)
@@ -376,9 +412,10 @@ func (m *machine) Location() string {
 // ReservationID is empty: simulated slots have no reservations.
 func (m *machine) ReservationID() string { return "" }
 
-// Status is Running, or Stopped while the machine is killed.
+// Status is Running, or Stopped while the machine is killed or its BMC
+// powered it off.
 func (m *machine) Status() provider.Status {
-	if m.killed {
+	if m.killed || m.off {
 		return provider.StatusStopped
 	}
 	return provider.StatusRunning
@@ -387,7 +424,7 @@ func (m *machine) Status() provider.Status {
 // machineLocked describes slot i; f.mu must be held.
 func (f *Fleet) machineLocked(i int32) machine {
 	s := &f.slots[i]
-	return machine{id: f.id(i), index: i, used: s.used, killed: s.killed}
+	return machine{id: f.id(i), index: i, used: s.used, killed: s.killed, off: s.off}
 }
 
 // ListMachines returns every slot, sorted by id.
@@ -451,10 +488,11 @@ func (f *Fleet) CreateMachine(ctx context.Context, req provider.CreateRequest) (
 // RebootMachine reboots a machine: its agent stops at once and it does not
 // answer SSH for RebootLatency; then it is reachable again, without an
 // agent, like a machine rebooted into a rescue system. It fails for a
-// killed or unused machine (an error wrapping provider.ErrNotReached: like
-// a dead machine's BMC, it never answers), with RebootFailureRate (an
-// injected failure) and as SetRebootFault says: RebootFails returns an
-// error, RebootHangs blocks until ctx ends and returns its error, wrapped.
+// killed, hung (Hang), powered off or unused machine (an error wrapping
+// provider.ErrNotReached: like an in-band reboot, it needs a live system),
+// with RebootFailureRate (an injected failure) and as SetRebootFault says:
+// RebootFails returns an error, RebootHangs blocks until ctx ends and
+// returns its error, wrapped.
 func (f *Fleet) RebootMachine(ctx context.Context, id string) error {
 	return f.reboot(ctx, id, false)
 }
@@ -485,6 +523,10 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 		err = fmt.Errorf("sim: %s %s: the machine is not provisioned (%w)", what, id, provider.ErrNotReached)
 	case s.killed:
 		err = fmt.Errorf("sim: %s %s: the machine does not respond (killed) (%w)", what, id, provider.ErrNotReached)
+	case s.off:
+		err = fmt.Errorf("sim: %s %s: the machine is powered off (%w)", what, id, provider.ErrNotReached)
+	case s.hung:
+		err = fmt.Errorf("sim: %s %s: the machine does not respond (hung) (%w)", what, id, provider.ErrNotReached)
 	default:
 		outcome = f.rebootOutcomeLocked(i)
 		if outcome == RebootFails {
@@ -517,16 +559,25 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 // held; it returns when the reboot happened and a func that closes what
 // must be closed once f.mu is released. The caller then calls rebooted.
 func (f *Fleet) rebootLocked(i int32, reinstall bool) (at time.Duration, closeAfter func()) {
-	s := &f.slots[i]
 	now := f.now()
 	if reinstall {
-		s.reinstalls++
+		f.slots[i].reinstalls++
 	}
+	return now, f.restartLocked(i, now, now+f.cfg.RebootLatency)
+}
+
+// restartLocked is every reboot's core, a BMC's power-on included: at now
+// the running system ends (agent, files, SSH connections), and the machine
+// answers SSH again from up, without an agent and with the same host key.
+// It counts a reboot. f.mu must be held; the returned func closes what must
+// be closed once it is released. The caller then calls rebooted.
+func (f *Fleet) restartLocked(i int32, now, up time.Duration) func() {
+	s := &f.slots[i]
 	s.reboots++
 	s.lastReboot = now
-	s.rebootUntil = now + f.cfg.RebootLatency
+	s.rebootUntil = up
 	f.stats.Reboots++
-	return now, f.shutdownLocked(i)
+	return f.shutdownLocked(i)
 }
 
 // rebooted reports a reboot rebootLocked did at at: metrics, log and the
@@ -565,6 +616,7 @@ func (f *Fleet) ReleaseMachine(ctx context.Context, id string) error {
 		f.stats.Killed--
 	}
 	s.rebootUntil, s.installed = 0, 0
+	s.off, s.powerAt = false, 0 // a fresh device is powered on
 	s.reinstalls++
 	f.stats.Releases++
 	f.mu.Unlock()
@@ -574,11 +626,15 @@ func (f *Fleet) ReleaseMachine(ctx context.Context, id string) error {
 }
 
 // shutdownLocked ends slot i's running system: its agent, its files and
-// its SSH connections. f.mu must be held; the returned func closes what
-// must be closed outside the lock.
+// its SSH connections, and a hang with it. f.mu must be held; the returned
+// func closes what must be closed outside the lock.
 func (f *Fleet) shutdownLocked(i int32) func() {
 	s := &f.slots[i]
 	s.boot++
+	if s.hung {
+		s.hung = false
+		f.stats.Hung--
+	}
 	var client *http.Client
 	if s.agent != nil {
 		client = f.stopAgentLocked(s.agent)
@@ -640,8 +696,9 @@ func (f *Fleet) Kill(id string) error {
 
 // Revive undoes Kill: the machine is powered on again and boots without an
 // agent; the connections ServeSSH held unanswered while it was dead are
-// reset (closed). On a machine that was only silenced, it makes the agent
-// resume its heartbeats.
+// reset (closed). On a machine that was only silenced or hung (Hang), it
+// makes the agent resume its heartbeats and, if hung, SSH answer again. A
+// machine its BMC powered off stays off.
 func (f *Fleet) Revive(id string) error {
 	i, err := f.lookup(id)
 	if err != nil {
@@ -652,6 +709,10 @@ func (f *Fleet) Revive(id string) error {
 	if s.killed {
 		s.killed = false
 		f.stats.Killed--
+	}
+	if s.hung {
+		s.hung = false
+		f.stats.Hung--
 	}
 	if a := s.agent; a != nil && a.silenced {
 		a.silenced = false
@@ -676,8 +737,9 @@ type Stats struct {
 	Used           int // slots turned into machines of ours (CreateMachine, Adopt)
 	Killed         int // machines killed and not revived
 	AgentsRunning  int // agents started and not stopped, silenced ones included
-	AgentsSilenced int // running agents that send no heartbeats
+	AgentsSilenced int // running agents that send no heartbeats, those of hung machines included
 	SSHConnections int // SSH connections open now
+	Hung           int // machines hung (Hang) whose system did not end or revive since
 
 	HeartbeatsOK     int64 // heartbeats the server answered
 	HeartbeatsFailed int64 // heartbeats that failed (network, TLS, rejected, dropped)
@@ -686,11 +748,13 @@ type Stats struct {
 	HeartbeatsDropped int64
 	Takeovers         int64 // takeovers that started an agent
 	TakeoversFailed   int64 // takeovers that answered with a TakeoverError
-	Reboots           int64 // reboots and reinstalls through the provider or RebootCommand
+	Reboots           int64 // reboots and reinstalls through the provider or RebootCommand, and BMC power-ons
 	RebootsFailed     int64 // reboots and reinstalls refused, and reboot commands that failed
 	RebootsHung       int64 // reboots, reinstalls and reboot commands that hung (RebootHangs)
 	Installations     int64 // installations carried out
 	Releases          int64 // machines released (ReleaseMachine) and free again
+	PowerOffs         int64 // Off commands a simulated BMC carried out (not dropped)
+	PowerOns          int64 // On commands a simulated BMC carried out (not dropped or refused); each boots the machine
 }
 
 // Stats returns the fleet's counts.
@@ -704,10 +768,11 @@ func (f *Fleet) Stats() Stats {
 	return st
 }
 
-// Rebooted returns when the provider (or RebootCommand) last rebooted (or
-// reinstalled) the machine and how many times it did; the zero time and 0
-// if never or if id is unknown. Reboots an installation asks for are not
-// counted: they are the agent's, not the provider's.
+// Rebooted returns when the provider (or RebootCommand, or a power-on
+// through the machine's BMC) last rebooted (or reinstalled) the machine and
+// how many times it did; the zero time and 0 if never or if id is unknown.
+// Reboots an installation asks for are not counted: they are the agent's,
+// not the provider's.
 func (f *Fleet) Rebooted(id string) (at time.Time, n int) {
 	i, ok := f.index(id)
 	if !ok {
@@ -748,11 +813,13 @@ type yamlConfig struct {
 	HeartbeatConcurrency int           `yaml:"heartbeat_concurrency"`
 	Seed                 int64         `yaml:"seed"`
 	RebootCommand        string        `yaml:"reboot_command"`
+	BMC                  yamlBMC       `yaml:",inline"`
 }
 
 // ParseConfig reads a fleet's YAML configuration: Config's fields in
-// snake_case, durations like "10ms". Unknown keys are errors, so a typo
-// does not silently leave a default in force. Empty input gives defaults.
+// snake_case, durations like "10ms", and Config.BMC's as the bmc_* keys
+// (see yamlBMC). Unknown keys are errors, so a typo does not silently
+// leave a default in force. Empty input gives defaults.
 func ParseConfig(data []byte) (Config, error) {
 	var y yamlConfig
 	dec := yaml.NewDecoder(strings.NewReader(string(data)))
@@ -775,6 +842,7 @@ func ParseConfig(data []byte) (Config, error) {
 		HeartbeatConcurrency: y.HeartbeatConcurrency,
 		Seed:                 y.Seed,
 		RebootCommand:        y.RebootCommand,
+		BMC:                  y.BMC.config(),
 	}
 	return cfg, cfg.Validate()
 }
@@ -792,9 +860,10 @@ func Factory(ctx context.Context, env provider.Env, config []byte) (provider.Pro
 }
 
 var (
-	_ provider.Provider    = (*Fleet)(nil)
-	_ provider.Recoverer   = (*Fleet)(nil)
-	_ provider.Releaser    = (*Fleet)(nil)
-	_ provider.SSHAccessor = (*Fleet)(nil)
-	_ provider.Runner      = (*Fleet)(nil)
+	_ provider.Provider        = (*Fleet)(nil)
+	_ provider.PowerController = (*Fleet)(nil)
+	_ provider.Recoverer       = (*Fleet)(nil)
+	_ provider.Releaser        = (*Fleet)(nil)
+	_ provider.SSHAccessor     = (*Fleet)(nil)
+	_ provider.Runner          = (*Fleet)(nil)
 )

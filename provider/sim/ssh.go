@@ -26,8 +26,8 @@ import (
 const stdinTimeout = 10 * time.Second
 
 // ErrUnreachable is wrapped by SSH dials that fail because the machine is
-// down (killed, rebooting, not provisioned) or because a failure was
-// injected.
+// down (killed, rebooting, powered off, hung, not provisioned) or because a
+// failure was injected.
 var ErrUnreachable = errors.New("sim: machine unreachable over SSH")
 
 // SSHAccess tells the initializer how to reach a simulated machine: the
@@ -98,6 +98,13 @@ func (f *Fleet) open(ctx context.Context, i int32, conn net.Conn) (answer, error
 		why = "the machine is not provisioned"
 	case s.killed:
 		why, ans = "no route to host (machine killed)", blackHoled
+	case s.off:
+		// The router's ARP for it fails: host unreachable, quickly.
+		why = "no route to host (machine powered off)"
+	case s.hung:
+		// Refused at once rather than black-holed, so that tests and
+		// benchmarks of hung machines do not wait out SSH timeouts.
+		why = "connection refused (machine hung)"
 	case s.rebootUntil > f.now():
 		why = "connection refused (machine rebooting)"
 	case f.chance(f.cfg.SSHFailureRate):
@@ -124,7 +131,8 @@ func (f *Fleet) open(ctx context.Context, i int32, conn net.Conn) (answer, error
 // with SSHFailureRate closes it at once (as a refused connection); a
 // killed machine accepts it and never answers, until the client closes
 // it, ctx ends, the machine is revived or the fleet stops; a machine that
-// is up serves it with the same SSH server as SSHAccess's connections.
+// is powered off or hung closes it at once; a machine that is up serves it
+// with the same SSH server as SSHAccess's connections.
 // When ctx ends, the connections ServeSSH accepted are closed too.
 func (f *Fleet) ServeSSH(ctx context.Context, id string, ln net.Listener) error {
 	i, err := f.lookup(id)
@@ -371,8 +379,8 @@ func (f *Fleet) runReboot(ctx context.Context, i int32, boot uint32, ch ssh.Chan
 		return
 	}
 	f.mu.Lock()
-	if f.slots[i].boot != boot {
-		f.mu.Unlock() // the system the command ran on is gone already
+	if s := &f.slots[i]; s.boot != boot || s.hung {
+		f.mu.Unlock() // the system the command ran on is gone or froze
 		_ = ch.Close()
 		return
 	}
