@@ -18,6 +18,7 @@ import (
 	"github.com/shepherd/shepherd/agent/install"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/poweraction"
 )
 
 // action is an operator action on one machine. Each has a confirmation
@@ -26,6 +27,9 @@ type action struct {
 	name   string // path segment and log value
 	title  string // the confirmation page's heading and button
 	danger bool   // shown as a destructive action
+	// power is the power action (SPEC §5.5) this action carries out
+	// through the machine's BMC; "" for the others.
+	power poweraction.Action
 }
 
 var (
@@ -33,7 +37,14 @@ var (
 	actionDecommission = action{name: "decommission", title: "Decommission", danger: true}
 	actionInstall      = action{name: "install", title: "Request OS installation", danger: true}
 	actionHostKey      = action{name: "host-key", title: "Accept SSH host key", danger: true}
-	actions            = []action{actionReset, actionDecommission, actionInstall, actionHostKey}
+	// The power actions of `shepherd machine power`: off and cycle stop the
+	// machine without a shutdown.
+	actionPowerStatus = action{name: "power-status", title: "Read power state", power: poweraction.Status}
+	actionPowerOn     = action{name: "power-on", title: "Power on", power: poweraction.On}
+	actionPowerOff    = action{name: "power-off", title: "Power off", danger: true, power: poweraction.Off}
+	actionPowerCycle  = action{name: "power-cycle", title: "Power cycle", danger: true, power: poweraction.Cycle}
+	powerActions      = []action{actionPowerStatus, actionPowerOn, actionPowerOff, actionPowerCycle}
+	actions           = append([]action{actionReset, actionDecommission, actionInstall, actionHostKey}, powerActions...)
 )
 
 const (
@@ -100,6 +111,19 @@ type confirmData struct {
 	// presented key's fingerprint, so that the accept changes nothing if
 	// the machine presented yet another key since the page was shown.
 	HostKey *hostKeyChange
+	// Power is what a power action's page shows.
+	Power *powerConfirm
+}
+
+// powerConfirm is what the confirmation page of a power action shows.
+type powerConfirm struct {
+	Action poweraction.Action
+	// BMC names the BMC the action goes through.
+	BMC string
+	// Status is the machine's last known power state; nil if never checked.
+	Status *bmdb.PowerStatus
+	// Consequence says what the action does to a running machine.
+	Consequence string
 }
 
 // hostKeyChange is what the host key accept's confirmation page shows.
@@ -146,6 +170,13 @@ func (s *Server) fillConfirm(r *http.Request, a action, id uuid.UUID, d *confirm
 	d.Action, d.Title, d.Danger = a.name, a.title, a.danger
 	d.Machine = machineHeader{ID: id, Provider: m.Provider, ProviderID: m.ProviderID, State: m.State}
 	d.CSRF = s.csrf.token(a.name, id, time.Now())
+	if a.power != "" {
+		pm, why := s.powerMachine(r.Context(), m)
+		if why != "" {
+			return notFound("%s", why)
+		}
+		d.Power = &powerConfirm{Action: a.power, BMC: pm.BMC.Name, Status: m.Power, Consequence: a.power.Consequence()}
+	}
 	if a == actionHostKey {
 		if len(m.HostKey) == 0 || len(m.OfferedHostKey) == 0 {
 			return notFound("machine %s has presented no SSH host key other than its recorded one: there is nothing to accept", id)
@@ -273,6 +304,23 @@ func (s *Server) act(a action) http.Handler {
 			gen, err = s.db.RequestInstallation(ctx, id, raw)
 			log = log.With("image_url", d.ImageURL)
 			done = fmt.Sprintf("installation generation %d requested", gen)
+		default:
+			if a.power == "" {
+				s.fail(w, r, fmt.Errorf("action %s has no handler", a.name))
+				return
+			}
+			code, msg, perr := s.startPower(ctx, log, a, id, reason)
+			switch {
+			case perr != nil:
+				log.ErrorContext(ctx, "operator action failed", "err", perr)
+				s.fail(w, r, perr)
+				return
+			case msg != "":
+				log.WarnContext(ctx, "refused a power action", "refusal", msg)
+				refuse(code, msg)
+				return
+			}
+			done = "power " + string(a.power) + " started"
 		}
 		if errors.Is(err, bmdb.ErrNotFound) {
 			refuse(http.StatusNotFound, fmt.Sprintf("Machine %s does not exist or is not provided.", id))

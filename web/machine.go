@@ -33,15 +33,42 @@ type machineData struct {
 	AgentKey, HostKey             string
 	HostKeyError                  string
 	OfferedHostKey, AcceptHostKey string
-	History                       []bmdb.HistoryEvent
-	HistoryNext                   string
-	HistoryFirst                  bool
+	// Power is the machine's BMC and power state.
+	Power powerView
+	// Ladder is the recovery ladder's progress: the rungs taken since the
+	// agent's last heartbeat, oldest first.
+	Ladder       []bmdb.RungAttempt
+	History      []bmdb.HistoryEvent
+	HistoryNext  string
+	HistoryFirst bool
 }
 
 // hardwareView is the decoded hardware report.
 type hardwareView struct {
 	Report   *agentv1.HardwareReport
 	Firmware string
+}
+
+// powerView is the machine's BMC and last known power state.
+type powerView struct {
+	// Status is the last known power state, as the last power action or
+	// check recorded it; nil if it was never checked.
+	Status *bmdb.PowerStatus
+	// BMC names the machine's BMC as its provider configures it now; ""
+	// if power is not available.
+	BMC string
+	// Unavailable says why power actions cannot reach the machine from
+	// this process; "" if they can.
+	Unavailable string
+	// Actions are the power actions offered: none if Unavailable or if the
+	// UI is read-only.
+	Actions []powerLink
+}
+
+// powerLink is a power action's link to its confirmation page.
+type powerLink struct {
+	Name, Title string
+	Danger      bool
 }
 
 // installView is the decoded installation request and report.
@@ -61,10 +88,15 @@ var doneMessages = map[string]string{
 	actionDecommission.name: "Decommission requested: the decommissioner takes the machine out of the fleet.",
 	actionInstall.name:      "Installation requested: the agent picks it up with its next heartbeat.",
 	actionHostKey.name:      "SSH host key accepted: the machine is taken over again with it.",
+	actionPowerStatus.name:  "Power state requested from the BMC: the Power panel shows what it said once it answered (it is called at its own pace).",
+	actionPowerOn.name:      "Power on started: the machine is held for Power until the BMC reports it on; history and the Power panel show the result.",
+	actionPowerOff.name:     "Power off started: the machine is held for Power until the BMC reports it off; history and the Power panel show the result.",
+	actionPowerCycle.name:   "Power cycle started: the machine is held for Power until the BMC reports it on again; history and the Power panel show the result.",
 }
 
 // machine serves a machine's page: every tag, the decoded hardware report,
-// live work, backoffs and quarantines, and its history.
+// its BMC and power state, live work, backoffs and quarantines, the
+// recovery ladder's progress, and its history.
 func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) {
 	id, err := machineID(r)
 	if err != nil {
@@ -101,6 +133,17 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 	if len(m.OfferedHostKey) > 0 {
 		d.OfferedHostKey = describeKey(m.OfferedHostKey)
 		d.AcceptHostKey = bmdb.AcceptHostKeyCommand(id, bmdb.HostKeyFingerprint(m.OfferedHostKey))
+	}
+	d.Power = powerView{Status: m.Power}
+	pm, why := s.powerMachine(ctx, m)
+	d.Power.BMC, d.Power.Unavailable = pm.BMC.Name, why
+	if why == "" && s.cfg.Actions {
+		for _, a := range powerActions {
+			d.Power.Actions = append(d.Power.Actions, powerLink{Name: a.name, Title: a.title, Danger: a.danger})
+		}
+	}
+	if d.Ladder, err = s.db.RecoveryStreak(ctx, id); err != nil {
+		return nil, err
 	}
 	if in := m.Installation; in != nil {
 		iv := &installView{Installation: *in, Installed: in.Installed()}

@@ -8,8 +8,9 @@
 // It is read-only by default: every request but GET and HEAD is refused with
 // 405, and no page carries a form that changes anything. With
 // Config.Actions, operators can reset a backoff, request a decommission,
-// request an OS installation and accept the SSH host key a machine presented
-// instead of its recorded one; each goes through a confirmation page and
+// request an OS installation, accept the SSH host key a machine presented
+// instead of its recorded one, and read or switch a machine's power through
+// its BMC (with Config.Power); each goes through a confirmation page and
 // needs the operator token (Config.OperatorToken) typed into it, a per-form
 // CSRF token and a same-origin request.
 //
@@ -35,6 +36,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/provider"
 )
 
 //go:embed templates/*.html
@@ -64,11 +66,20 @@ type Config struct {
 	// Refresh is how often the overview, machine and sessions pages reload
 	// themselves; default 10s; negative turns reloading off.
 	Refresh time.Duration
-	// Actions enables the reset, decommission, install and host key accept
-	// actions. They need OperatorToken.
+	// Actions enables the reset, decommission, install, host key accept
+	// and power actions. They need OperatorToken.
 	Actions bool
 	// OperatorToken authorizes actions; required with Actions.
 	OperatorToken Token
+	// Power returns the out-of-band power control (SPEC §5.5) of the named
+	// provider as this process runs it, or nil if it runs none: the
+	// machine page shows the BMC of such a provider's machines and, with
+	// Actions, offers their power actions, which do what `shepherd machine
+	// power` does (package poweraction). nil: no provider's.
+	Power func(provider string) provider.PowerController
+	// PowerTimeout bounds the BMC calls of one power action, as `shepherd
+	// machine power --timeout` does; default 5m.
+	PowerTimeout time.Duration
 	// Registerer receives the web server's metrics; nil keeps them private.
 	Registerer prometheus.Registerer
 	// Logger receives request and action logs; nil discards them.
@@ -82,6 +93,8 @@ func (c Config) Validate() error {
 		return errors.New("web: heartbeat timeouts must be >= 0 (0 = default)")
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
 		return fmt.Errorf("web: PageSize must be within [0, %d] (0 = default 50), got %d", maxPageSize, c.PageSize)
+	case c.PowerTimeout < 0:
+		return fmt.Errorf("web: PowerTimeout must be >= 0 (0 = default 5m), got %s", c.PowerTimeout)
 	case c.Actions && c.OperatorToken.Empty():
 		return errors.New("web: Actions need an OperatorToken")
 	}
@@ -121,6 +134,7 @@ type Server struct {
 	handler http.Handler
 	csrf    csrfKey
 	metrics *metrics
+	jobs    *jobs // power actions running after their response
 
 	mu       sync.Mutex
 	listener net.Listener
@@ -139,6 +153,7 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
 	cfg.PageSize = cmp.Or(cfg.PageSize, 50)
 	cfg.Refresh = cmp.Or(cfg.Refresh, 10*time.Second)
+	cfg.PowerTimeout = cmp.Or(cfg.PowerTimeout, 5*time.Minute)
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -155,7 +170,7 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, db: db, log: log.With("component", "web"), pages: pages, metrics: m}
+	s := &Server{cfg: cfg, db: db, log: log.With("component", "web"), pages: pages, metrics: m, jobs: newJobs()}
 	if _, err := rand.Read(s.csrf[:]); err != nil {
 		return nil, fmt.Errorf("web: generating the CSRF key: %w", err)
 	}
@@ -163,8 +178,16 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	return s, nil
 }
 
-// Handler returns the UI's HTTP handler.
+// Handler returns the UI's HTTP handler. A caller that serves it itself
+// calls Close when done.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// Close stops the power actions still running after their response and
+// waits for them; later ones are refused. A stopped action's BMC calls are
+// cancelled, as Ctrl-C cancels `shepherd machine power`: its hold ends and
+// history says how far it got (a cycle stopped half way leaves the machine
+// off). Run calls Close when it stops.
+func (s *Server) Close() { s.jobs.close() }
 
 func (s *Server) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -300,6 +323,7 @@ func (s *Server) Run(ctx context.Context) error {
 	select {
 	case <-ctx.Done():
 	case err := <-serveErr:
+		s.Close()
 		return fmt.Errorf("web: serving: %w", err)
 	}
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -311,6 +335,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if err := <-serveErr; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		runErr = fmt.Errorf("web: serving: %w", err)
 	}
+	s.Close()
 	s.log.InfoContext(ctx, "web UI stopped")
 	return runErr
 }

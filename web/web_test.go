@@ -153,6 +153,8 @@ func newServer(t testing.TB, db *bmdb.DB, cfg web.Config) *server {
 			t.Logf("web UI log:\n%s", logs)
 		}
 	})
+	// First, before the database goes: power actions may still run.
+	t.Cleanup(s.Close)
 	return &server{h: s.Handler(), log: logs}
 }
 

@@ -1,13 +1,11 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"slices"
 	"strings"
 	"time"
 
@@ -16,24 +14,18 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/shepherd/shepherd/bmdb"
-	"github.com/shepherd/shepherd/power"
+	"github.com/shepherd/shepherd/poweraction"
 	"github.com/shepherd/shepherd/provider"
 )
 
-// Power actions of `machine power`.
-const (
-	powerStatus = "status"
-	powerOn     = "on"
-	powerOff    = "off"
-	powerCycle  = "cycle"
-)
-
-var powerActions = []string{powerStatus, powerOn, powerOff, powerCycle}
-
-// powerSettle bounds how long on and off wait for the BMC to report the
-// state they asked for, polling at the BMC's pace; power.Controller's Cycle
-// waits as long (power.DefaultSettle) before it sends a command again.
-const powerSettle = power.DefaultSettle
+// powerActions are the actions of `machine power`, as operators write them.
+var powerActions = func() []string {
+	names := make([]string, len(poweraction.Actions))
+	for i, a := range poweraction.Actions {
+		names[i] = string(a)
+	}
+	return names
+}()
 
 // powerFlags are the flags of `machine power`.
 type powerFlags struct {
@@ -62,9 +54,9 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 		Args:      cobra.ExactArgs(2),
 		ValidArgs: powerActions,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			action := args[0]
-			if !slices.Contains(powerActions, action) {
-				return fmt.Errorf("%q is not a power action: use %s", action, strings.Join(powerActions, ", "))
+			action, err := poweraction.Parse(args[0])
+			if err != nil {
+				return err
 			}
 			id, err := parseMachineID(args[1])
 			if err != nil {
@@ -88,15 +80,12 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			pm, err := openPowerMachine(cmd, db, id, f, config)
+			m, closeProvider, err := openPowerMachine(cmd, db, id, f, config)
 			if err != nil {
 				return err
 			}
-			defer pm.close()
-			if action == powerStatus {
-				return pm.status(cmd, f.timeout)
-			}
-			return pm.act(cmd, action, f)
+			defer closeProvider()
+			return runPower(cmd, db, m, action, f)
 		},
 	}
 	fl := cmd.Flags()
@@ -107,28 +96,20 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 	return cmd
 }
 
-// powerMachine is a machine of the BMDB with its BMC, reached through the
-// provider the flags built.
-type powerMachine struct {
-	db    *bmdb.DB
-	id    uuid.UUID
-	name  string // "static m3": provider and provider id, for operators
-	bmc   provider.BMC
-	close func()
-}
-
 // openPowerMachine finds machine id in the BMDB, builds the provider from
 // the flags, checks that the machine is that provider's, and gets its BMC.
-func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlags, config []byte) (*powerMachine, error) {
+// closeProvider releases the provider.
+func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlags, config []byte) (m poweraction.Machine, closeProvider func(), err error) {
 	ctx := cmd.Context()
 	d, err := db.GetMachine(ctx, id)
 	if errors.Is(err, bmdb.ErrNotFound) {
-		return nil, fmt.Errorf("machine %s does not exist", id)
+		return m, nil, fmt.Errorf("machine %s does not exist", id)
 	} else if err != nil {
-		return nil, err
+		return m, nil, err
 	}
-	if d.Provided.MachineID == uuid.Nil {
-		return nil, fmt.Errorf("machine %s is %s: it has no provider machine, so no BMC to reach", id, d.State)
+	// Before the provider is built: the machine may be no provider's.
+	if err := poweraction.CheckProvided(d); err != nil {
+		return m, nil, err
 	}
 	env := provider.Env{
 		// Only warnings: the CLI's output is its own.
@@ -137,17 +118,16 @@ func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlag
 	}
 	p, err := providers().New(ctx, f.provider, env, config)
 	if err != nil {
-		return nil, err
+		return m, nil, err
 	}
-	closeProvider := func() {
+	closeProvider = func() {
 		if c, ok := p.(io.Closer); ok {
 			_ = c.Close() // a provider that holds nothing of the machine's
 		}
 	}
-	pm := &powerMachine{db: db, id: id, name: d.Provider + " " + d.ProviderID, close: closeProvider}
-	fail := func(err error) (*powerMachine, error) {
+	fail := func(err error) (poweraction.Machine, func(), error) {
 		closeProvider()
-		return nil, err
+		return poweraction.Machine{}, nil, err
 	}
 	if p.Name() != d.Provider {
 		return fail(fmt.Errorf("machine %s belongs to provider %q, but --provider %s --provider-config %q builds provider %q: pass the configuration of %q",
@@ -157,132 +137,42 @@ func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlag
 	if !ok {
 		return fail(fmt.Errorf("provider %s (%s) has no out-of-band power control", p.Name(), f.provider))
 	}
-	pm.bmc, err = pc.BMC(ctx, d.ProviderID)
-	switch {
-	case errors.Is(err, provider.ErrNoBMC):
-		return fail(fmt.Errorf("machine %s (%s) has no BMC: add a bmc: block (driver, address, username, password_file) to its entry in the inventory that %s names, then try again",
-			id, pm.name, f.providerConfig))
-	case errors.Is(err, provider.ErrNotFound):
-		return fail(fmt.Errorf("machine %s: provider %s does not know its provider id %q (left the inventory?)", id, p.Name(), d.ProviderID))
-	case err != nil:
-		return fail(fmt.Errorf("machine %s (%s): %w", id, pm.name, err))
+	if m, err = poweraction.Find(ctx, pc, d); err != nil {
+		return fail(err)
 	}
-	return pm, nil
+	return m, closeProvider, nil
 }
 
-// record records a look at the machine's power: the state read, or err.
-// A failure to record is reported on stderr: the BMC's answer matters more.
-func (pm *powerMachine) record(cmd *cobra.Command, state power.State, err error) {
-	r := bmdb.PowerReading{BMC: pm.bmc.Name, State: string(state)}
-	if err != nil {
-		r.State, r.ErrorClass, r.Error = "", power.Class(err), err.Error()
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(cmd.Context()), 10*time.Second)
-	defer cancel()
-	if rerr := pm.db.RecordPowerState(ctx, pm.id, r); rerr != nil {
-		fmt.Fprintf(cmd.ErrOrStderr(), "warning: the power state was not recorded: %v\n", rerr)
-	}
-}
-
-// status reads the power state, prints and records it.
-func (pm *powerMachine) status(cmd *cobra.Command, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
-	defer cancel()
-	s, err := pm.bmc.State(ctx)
-	pm.record(cmd, s, err)
-	if err != nil {
-		return fmt.Errorf("machine %s (%s): BMC %s: %w (class %s)", pm.id, pm.name, pm.bmc.Name, err, power.Class(err))
-	}
-	fmt.Fprintf(cmd.OutOrStdout(), "machine %s (%s): BMC %s: power %s\n", pm.id, pm.name, pm.bmc.Name, s)
-	return nil
-}
-
-// act runs on, off or cycle under a hold of the machine for Power, after
-// confirmation for off and cycle.
-func (pm *powerMachine) act(cmd *cobra.Command, action string, f powerFlags) error {
+// runPower carries out action on m, after confirmation for those that stop
+// the machine, and prints the result.
+func runPower(cmd *cobra.Command, db *bmdb.DB, m poweraction.Machine, action poweraction.Action, f powerFlags) error {
 	ctx := cmd.Context()
-	if !f.yes && action != powerOn {
-		what := "The machine stops at once, without a shutdown."
-		if action == powerCycle {
-			what = "The machine stops at once, without a shutdown, and boots again."
-		}
-		fmt.Fprintf(cmd.ErrOrStderr(), "Power %s machine %s (%s) through %s?\n%s Proceed? [y/N] ", action, pm.id, pm.name, pm.bmc.Name, what)
+	if what := action.Consequence(); what != "" && !f.yes {
+		fmt.Fprintf(cmd.ErrOrStderr(), "Power %s machine %s (%s) through %s?\n%s Proceed? [y/N] ", action, m.ID, m.Name, m.BMC.Name, what)
 		if !confirmed(cmd) {
 			return errors.New("not confirmed; nothing done (pass --yes to skip the question)")
 		}
 	}
-	sess, err := pm.db.StartSession(ctx, bmdb.SessionConfig{Component: "cli"})
-	if err != nil {
-		return err
-	}
-	defer func() {
-		// The work has ended by then; a failed close only lets the lease
-		// run out by itself.
-		if err := sess.Close(ctx); err != nil && !sess.Lost() {
-			fmt.Fprintf(cmd.ErrOrStderr(), "warning: %v\n", err)
-		}
-	}()
-	w, err := sess.Hold(ctx, bmdb.ProcessPower, pm.id, fmt.Sprintf("power %s by %s with the shepherd CLI", action, operator()))
+	job, err := poweraction.Begin(ctx, db, m, poweraction.Request{
+		Action:    action,
+		By:        operator() + " with the shepherd CLI",
+		Component: "cli",
+		Timeout:   f.timeout,
+		Warn:      func(err error) { fmt.Fprintf(cmd.ErrOrStderr(), "warning: %v\n", err) },
+	})
 	if errors.Is(err, bmdb.ErrMachineBusy) {
-		return fmt.Errorf("%w; nothing done: try again once that work has ended (shepherd machine show %s)", err, pm.id)
+		return fmt.Errorf("%w; nothing done: try again once that work has ended (shepherd machine show %s)", err, m.ID)
 	} else if err != nil {
 		return err
 	}
-	// The action stops when the session is lost: the machine may then be
-	// someone else's.
-	actx, cancel := context.WithTimeout(sess.Context(), f.timeout)
-	defer cancel()
-	found, now, err := pm.run(actx, cmd, action)
-	// The work ends even when ctx ended (Ctrl-C): history says how far it got.
-	ectx, ecancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer ecancel()
+	r, err := job.Run(ctx)
 	if err != nil {
-		class := power.Class(err)
-		pm.record(cmd, "", err)
-		if ferr := w.FailWithoutBackoff(ectx, fmt.Sprintf("power %s failed (class %s): %v", action, class, err)); ferr != nil {
-			fmt.Fprintf(cmd.ErrOrStderr(), "warning: history Failed was not written: %v\n", ferr)
-		}
-		return fmt.Errorf("power %s of machine %s (%s) through %s failed (class %s): %w", action, pm.id, pm.name, pm.bmc.Name, class, err)
+		return err
 	}
-	pm.record(cmd, now, nil)
-	cause := fmt.Sprintf("power %s: found %s, now %s", action, found, now)
-	if err := w.FinishWithCause(ectx, cause, nil); err != nil {
-		return fmt.Errorf("machine %s: %s, but history Finished was not written: %w", pm.id, cause, err)
+	if action == poweraction.Status {
+		fmt.Fprintf(cmd.OutOrStdout(), "machine %s (%s): BMC %s: power %s\n", m.ID, m.Name, m.BMC.Name, r.Now)
+	} else {
+		fmt.Fprintf(cmd.OutOrStdout(), "machine %s (%s): %s (BMC %s)\n", m.ID, m.Name, r.Cause, m.BMC.Name)
 	}
-	fmt.Fprintf(cmd.OutOrStdout(), "machine %s (%s): %s (BMC %s)\n", pm.id, pm.name, cause, pm.bmc.Name)
 	return nil
-}
-
-// run carries out action and returns the state it found and the state the
-// BMC reports at the end.
-func (pm *powerMachine) run(ctx context.Context, cmd *cobra.Command, action string) (found, now power.State, err error) {
-	if action == powerCycle {
-		found, err := pm.bmc.Cycle(ctx)
-		return found, power.On, err // Cycle returns once the BMC reports on
-	}
-	want, send := power.On, pm.bmc.On
-	if action == powerOff {
-		want, send = power.Off, pm.bmc.Off
-	}
-	if found, err = pm.bmc.State(ctx); err != nil {
-		return "", "", err
-	}
-	pm.record(cmd, found, nil)
-	if err := send(ctx); err != nil {
-		return found, "", err
-	}
-	deadline := time.Now().Add(powerSettle)
-	for {
-		// Each State waits its turn at the BMC (power.Config.MinInterval), so
-		// this polls at the BMC's pace.
-		if now, err = pm.bmc.State(ctx); err != nil {
-			return found, "", fmt.Errorf("power %s sent, then %w", want, err)
-		}
-		if now == want {
-			return found, now, nil
-		}
-		if !time.Now().Before(deadline) {
-			return found, now, fmt.Errorf("power %s sent, state still %s after %s: %w", want, now, powerSettle, power.ErrNotReached)
-		}
-	}
 }

@@ -3,8 +3,13 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -325,4 +330,97 @@ func TestMachinePowerFailures(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), `unknown provider "nope"`) {
 		t.Errorf("power with an unknown provider: %v\n%s", err, out)
 	}
+}
+
+// TestMachinePowerFromTheWebUI runs `shepherd run` with the static provider
+// and the web UI's actions, and power-cycles the fixture's machine from its
+// page: the web UI reaches the BMC through the provider the process runs
+// (the same paced controller as its control loops), and does what `machine
+// power cycle` does. A machine of a provider the process does not run gets
+// no power actions.
+func TestMachinePowerFromTheWebUI(t *testing.T) {
+	f := newPowerFixture(t)
+	f.fastPower(t)
+	dir := t.TempDir()
+	const token = "web-power-operator-token-0123"
+	tokenFile := filepath.Join(dir, "operator-token")
+	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	webAddr := freeAddr(t)
+	cmd := startCommand(t, "run", "--components=provisioner", "--database-url", f.db.URL, "--data-dir", dir,
+		"--provider", "static", "--provider-config", f.cfgPath, "--log-level", "error",
+		"--web-listen", webAddr, "--web-actions", "--web-operator-token-file", tokenFile)
+	base := "http://" + webAddr
+	client := &http.Client{
+		Timeout:       30 * time.Second,
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+	}
+	get := func(path string) string {
+		t.Helper()
+		resp, err := client.Get(base + path)
+		if err != nil {
+			t.Fatalf("GET %s: %v", path, err)
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET %s = %s, %v:\n%s", path, resp.Status, err, body)
+		}
+		return string(body)
+	}
+	bmcName := "ipmi://" + f.bmc.Username + "@" + f.bmc.Addr.String()
+	var page string
+	bmdbtest.WaitFor(t, 30*time.Second, "the web UI serves the machine page", func(ctx context.Context) (bool, error) {
+		cmd.running(t)
+		resp, err := client.Get(base + "/machines/" + f.m.String())
+		if err != nil {
+			return false, err
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		page = string(body)
+		return err == nil && resp.StatusCode == http.StatusOK, err
+	})
+	cyclePath := "/machines/" + f.m.String() + "/power-cycle"
+	if !strings.Contains(page, bmcName) || !strings.Contains(page, `href="`+cyclePath+`"`) {
+		t.Errorf("the machine page does not show the BMC and offer a power cycle:\n%s", page)
+	}
+	if other := get("/machines/" + f.other.String()); !strings.Contains(other, "no out-of-band power control for provider lab") ||
+		strings.Contains(other, "/power-") {
+		t.Errorf("the page of a machine of provider lab, which the process does not run, offers power:\n%s", other)
+	}
+
+	csrf := regexp.MustCompile(`name="csrf" value="([^"]+)"`).FindStringSubmatch(get(cyclePath))
+	if csrf == nil {
+		t.Fatal("the power cycle's confirmation page has no CSRF token")
+	}
+	resp, err := client.PostForm(base+cyclePath, url.Values{"csrf": {csrf[1]}, "token": {token}, "reason": {"hung"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != "/machines/"+f.m.String()+"?done=power-cycle" {
+		t.Fatalf("POST %s = %s (Location %q), want 303 to the machine page", cyclePath, resp.Status, resp.Header.Get("Location"))
+	}
+	want := []string{"Power Started power cycle by an operator in the web UI: hung", "Power Finished power cycle: found on, now on"}
+	bmdbtest.WaitFor(t, time.Minute, "the power cycle is in history", func(context.Context) (bool, error) {
+		cmd.running(t)
+		diff := cmp.Diff(want, bmdbtest.History(t, f.db, f.m))
+		return diff == "", fmt.Errorf("history (-want +got):\n%s", diff)
+	})
+	var sets []string
+	for _, c := range f.calls(t) {
+		if strings.HasPrefix(c, "set power") {
+			sets = append(sets, c)
+		}
+	}
+	if diff := cmp.Diff([]string{"set power 0", "set power 1"}, sets); diff != "" {
+		t.Errorf("power commands of the cycle (-want +got):\n%s", diff)
+	}
+	page = get("/machines/" + f.m.String())
+	if !strings.Contains(page, `id="power-state">on, checked`) || strings.Contains(page, f.bmc.Password.Reveal()) {
+		t.Errorf("the machine page after the cycle: want on, checked, and no password:\n%s", page)
+	}
+	cmd.stop(t)
 }

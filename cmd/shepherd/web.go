@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/web"
 )
 
@@ -29,7 +30,7 @@ type webConfig struct {
 
 func (c *webConfig) bind(fl *pflag.FlagSet) {
 	fl.StringVar(&c.Listen, "web-listen", "", "address to serve the web UI on, e.g. 127.0.0.1:8080 (default: off)")
-	fl.BoolVar(&c.Actions, "web-actions", false, "web UI: offer reset, decommission and install actions (needs --web-operator-token-file)")
+	fl.BoolVar(&c.Actions, "web-actions", false, "web UI: offer reset, decommission, install, host key and power actions (needs --web-operator-token-file)")
 	fl.StringVar(&c.TokenFile, "web-operator-token-file", "", "web UI: file holding the operator token that authorizes actions (at least 16 characters)")
 }
 
@@ -66,6 +67,7 @@ func (s *stack) buildWeb(b *parts) error {
 		Actions:               wc.Actions,
 		Registerer:            s.reg,
 		Logger:                s.log,
+		Power:                 s.powerController,
 		// The breaker's state lives in the BMDB, so this process shows what
 		// every recoverer sees, with the same thresholds (the shared flags).
 		Breaker: func(ctx context.Context, provider string) (web.BreakerState, error) {
@@ -104,6 +106,19 @@ func (s *stack) buildWeb(b *parts) error {
 	s.webAddr = ln.Addr().String()
 	b.add("web", ws.Run)
 	return nil
+}
+
+// powerController returns the out-of-band power control of the provider
+// this process runs, for the web UI's power actions and the BMCs on its
+// machine pages, if that provider is named name and has one. build creates
+// the provider after the web UI, and before anything runs; a process that
+// runs no provider offers no power.
+func (s *stack) powerController(name string) provider.PowerController {
+	if s.provider == nil || s.provider.Name() != name {
+		return nil
+	}
+	pc, _ := s.provider.(provider.PowerController)
+	return pc
 }
 
 // webURL is the address of the web UI as a browser reaches it: a wildcard
