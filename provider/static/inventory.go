@@ -482,7 +482,7 @@ func (p *parser) machine(n *yaml.Node, num int, d defaultsSection) (*entry, scal
 	// Whether the machine has a BMC is its bmc block's presence, not
 	// whether the block is good: a broken block is reported already, and
 	// "power needs a bmc block" on top would mislead.
-	e.rungs = p.machineRungs(where, rungs, d.rungs, p.providerRungs, hasBMC, n.Line)
+	e.rungs = p.machineRungs(where, rungs, d.rungs, p.providerRungs, hasBMC)
 	if len(p.problems) > before {
 		return nil, id
 	}

@@ -107,14 +107,14 @@ func checkRungs(rungs []ladder.Rung) ([]ladder.Rung, error) {
 
 // machineRungs picks a machine's ladder: its own list, else the defaults',
 // else the provider's (Config.RecoveryRungs, given as fallback); nil if none
-// gives one. Power needs the machine's BMC, and a machine without a bmc
-// block has none whatever the defaults say, so a list that names power for
-// such a machine is refused wherever it comes from: the operator either
-// forgot the bmc block or meant a shorter ladder for this machine, and
-// either way the file should say which. A broken list was reported where it
-// is written; the machine is then left alone here.
-func (p *parser) machineRungs(where string, own, dflt rungList, fallback []ladder.Rung, hasBMC bool, line int) []ladder.Rung {
-	const fix = "; give the machine a bmc block or recovery_rungs of its own"
+// gives one. Power needs the machine's BMC. A machine's own list that names
+// power without a bmc block is refused: the operator forgot the block or
+// meant another ladder, and the file should say which. A list the machine
+// inherits is meant for the fleet, in which some machines have BMCs and some
+// do not: a machine without one takes the rest of the list (possibly none,
+// which the recoverer reports when it needs a rung). A broken list was
+// reported where it is written; the machine is then left alone here.
+func (p *parser) machineRungs(where string, own, dflt rungList, fallback []ladder.Rung, hasBMC bool) []ladder.Rung {
 	switch {
 	case own.set:
 		if !hasBMC && slices.Contains(own.rungs, ladder.Power) {
@@ -122,16 +122,24 @@ func (p *parser) machineRungs(where string, own, dflt rungList, fallback []ladde
 		}
 		return own.rungs
 	case dflt.set:
-		if !hasBMC && slices.Contains(dflt.rungs, ladder.Power) {
-			p.errorf(line, "%srecovery_rungs of the defaults (line %d): power needs a bmc block%s", where, dflt.line, fix)
-		}
-		return dflt.rungs
+		return withoutPower(dflt.rungs, hasBMC)
 	default:
-		if !hasBMC && slices.Contains(fallback, ladder.Power) {
-			p.errorf(line, "%srecovery_rungs of the provider config: power needs a bmc block%s", where, fix)
-		}
-		return fallback
+		return withoutPower(fallback, hasBMC)
 	}
+}
+
+// withoutPower is rungs without Power unless the machine has a BMC.
+func withoutPower(rungs []ladder.Rung, hasBMC bool) []ladder.Rung {
+	if hasBMC || !slices.Contains(rungs, ladder.Power) {
+		return rungs
+	}
+	out := []ladder.Rung{}
+	for _, r := range rungs {
+		if r != ladder.Power {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // RecoveryRungs returns the rungs of the recovery ladder for machine id,

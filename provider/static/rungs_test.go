@@ -67,6 +67,12 @@ func TestRecoveryRungs(t *testing.T) {
 			map[string][]ladder.Rung{"a": nil, "b": nil, "c": nil}},
 		{"power where there is a BMC", "", "defaults:\n  recovery_rungs: [agent]\n" + strings.Replace(machines, "password_env: PW}", "password_env: PW}\n    recovery_rungs: [power, agent, reboot]", 1),
 			map[string][]ladder.Rung{"a": {ladder.Agent, ladder.Reboot}, "b": {ladder.Agent, ladder.Reboot, ladder.Power}, "c": {ladder.Agent}}},
+		// An inherited list is the fleet's: a machine without a BMC takes
+		// the rest of it.
+		{"inherited power skipped without a BMC", "recovery_rungs: [power, agent]", machines,
+			map[string][]ladder.Rung{"a": {ladder.Agent, ladder.Reboot}, "b": {ladder.Agent, ladder.Power}, "c": {ladder.Agent}}},
+		{"defaults' power skipped without a BMC", "", "defaults:\n  recovery_rungs: [power]\n" + machines,
+			map[string][]ladder.Rung{"a": {ladder.Agent, ladder.Reboot}, "b": {ladder.Power}, "c": {}}},
 		{"through aliases", "", "defaults:\n  recovery_rungs: &l [agent, &r reboot]\nmachines:\n  - {id: a, address: 10.0.0.1, recovery_rungs: [*r]}\n  - {id: b, address: 10.0.0.2, recovery_rungs: *l}\n",
 			map[string][]ladder.Rung{"a": {ladder.Reboot}, "b": {ladder.Agent, ladder.Reboot}}},
 	} {
@@ -204,22 +210,6 @@ machines: []
       - agent
       - power
 `, `FILE:6: machine "a": recovery_rungs: power needs a bmc block`},
-		{"power from the defaults without a bmc block", nil, `defaults:
-  bmc: {driver: ipmi, username: u, password_env: PW}
-  recovery_rungs: [agent, power]
-machines:
-  - id: a
-    address: 10.0.0.1
-    bmc: {address: 10.1.0.1}
-  - id: b
-    address: 10.0.0.2
-`, `FILE:8: machine "b": recovery_rungs of the defaults (line 3): power needs a bmc block; give the machine a bmc block or recovery_rungs of its own`},
-		{"power from the provider config without a bmc block", []ladder.Rung{ladder.Agent, ladder.Power}, `machines:
-  - id: a
-    address: 10.0.0.1
-    bmc: ` + bmc + `
-  - {id: b, address: 10.0.0.2}
-`, `FILE:5: machine "b": recovery_rungs of the provider config: power needs a bmc block; give the machine a bmc block or recovery_rungs of its own`},
 		// A broken list or bmc block is reported where it is written, and
 		// nothing more is said about power.
 		{"power with a broken bmc block", nil, `machines:

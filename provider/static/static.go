@@ -68,8 +68,9 @@
 // config's recovery_rungs (Config.RecoveryRungs); without any, the
 // recoverer's default applies. A list may be neither empty nor name a rung
 // twice. reinstall is refused: a static inventory cannot reinstall a
-// machine. power is refused for a machine without a bmc block, wherever its
-// list comes from: give it a bmc block or a list of its own without power.
+// machine. A machine's own list may name power only with a bmc block; a
+// list it inherits (defaults, provider config) is the fleet's, and a machine
+// without a BMC takes the rest of it.
 // RecoveryRungs reads the inventory in force, so a reload applies at once.
 //
 // # Host keys and secrets
