@@ -369,11 +369,19 @@ func TestTransactRetriesDeadlocks(t *testing.T) {
 			t.Fatalf("Transact: %v", err)
 		}
 	}
-	if runs[0]+runs[1] != 3 {
-		t.Errorf("transaction bodies ran %d times, want 3 (one deadlock victim retried)", runs[0]+runs[1])
+	deadlocks := metricstest.Value(t, reg, "shepherd_bmdb_transaction_retries_total", "sqlstate", "40P01")
+	serialization := metricstest.Value(t, reg, "shepherd_bmdb_transaction_retries_total", "sqlstate", "40001")
+	// The first round deadlocks for sure. A victim retried at once can
+	// take its first row before the survivor, woken by the abort, takes its
+	// second (a loaded machine schedules the survivor late): they deadlock
+	// again, and that victim is retried too. So every run beyond the first
+	// two is a counted deadlock retry, and there is at least one.
+	if total := runs[0] + runs[1]; total < 3 || float64(total-2) != deadlocks || serialization != 0 {
+		t.Errorf("transaction bodies ran %v times, retries: %v deadlocks, %v serialization failures; want at least 3 runs, each beyond 2 a deadlock victim's retry",
+			runs, deadlocks, serialization)
 	}
-	if got := metricstest.Value(t, reg, "shepherd_bmdb_transaction_retries_total"); got != 1 {
-		t.Errorf("transaction_retries_total = %v, want 1", got)
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM machine_agent_started"); n != 2 {
+		t.Errorf("%d machines have AgentStarted after both transactions committed, want 2", n)
 	}
 }
 
