@@ -11,6 +11,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/ladder"
 )
 
 // recovery is a provider's fleet with silent machines and the recovery
@@ -386,4 +387,100 @@ func TestMissingAndStoppedAreNotSilent(t *testing.T) {
 	if _, started, err := r.db.ProviderAgentCounts(t.Context(), r.provider); err != nil || started != 0 {
 		t.Errorf("started agents: %d, %v; want 0 (none can heartbeat)", started, err)
 	}
+}
+
+// TestLadderClimbs: within one work item a failed rung lets the next one be
+// admitted (the breaker counting only restarts that reached the machine);
+// the next silence of the machine starts above the last rung carried out,
+// and repeats the top rung once it was reached; a heartbeating incarnation
+// that goes silent again starts at the bottom.
+func TestLadderClimbs(t *testing.T) {
+	t.Parallel()
+	r := newRecovery(t)
+	m := r.silent()
+	rungs := []ladder.Rung{ladder.Agent, ladder.Reboot, ladder.Power}
+	admit := func(after ladder.Rung, max int64, want bmdb.RebootDecision) bmdb.RebootAdmission {
+		t.Helper()
+		a, err := r.s.AdmitReboot(t.Context(), bmdb.RebootRequest{
+			Provider: r.provider, MachineID: m, Candidates: r.cands, Window: 10 * time.Minute, Max: max,
+			StreakLimit: 3, Ladder: rungs, After: after,
+		})
+		if err != nil {
+			t.Fatalf("admitting after %q: %v", after, err)
+		}
+		if a.Decision != want {
+			t.Fatalf("admission after %q: %+v, want %s", after, a, want)
+		}
+		return a
+	}
+	fail := func(a bmdb.RebootAdmission, reached bool, result string) {
+		t.Helper()
+		if err := r.s.RebootFailed(t.Context(), a, reached, result); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	w := r.claim(r.s, m)
+	// The agent rung restarts nothing: a budget of 0 does not hold it back.
+	a := admit("", 0, bmdb.RebootAdmitted)
+	if a.Rung != ladder.Agent || a.InWindow != 0 || a.Streak != 1 || len(a.Tried) != 0 {
+		t.Fatalf("first admission: %+v, want the agent rung, nothing in the window, streak 1, nothing tried", a)
+	}
+	fail(a, false, "no SSH answer")
+	// The reboot rung does restart the machine: the budget applies.
+	admit(ladder.Agent, 0, bmdb.RebootBudgetExhausted)
+	a = admit(ladder.Agent, 5, bmdb.RebootAdmitted)
+	if a.Rung != ladder.Reboot || a.InWindow != 1 {
+		t.Fatalf("climbing past agent: %+v, want the reboot rung counted in the window", a)
+	}
+	fail(a, false, "in-band path dead")
+	a = admit(ladder.Reboot, 5, bmdb.RebootAdmitted)
+	if a.Rung != ladder.Power || a.InWindow != 1 || a.Streak != 1 {
+		t.Fatalf("climbing past reboot: %+v, want the power rung, 1 in the window (the unreached reboot does not count), streak 1", a)
+	}
+	if len(a.Tried) != 2 || !a.Tried[0].Failed || a.Tried[0].Rung != ladder.Agent || a.Tried[1].Result != "in-band path dead" {
+		t.Errorf("tried before power: %+v", a.Tried)
+	}
+	if _, err := r.s.AdmitReboot(t.Context(), bmdb.RebootRequest{
+		Provider: r.provider, MachineID: m, Candidates: r.cands, Window: time.Minute, Max: 5, Ladder: rungs, After: ladder.Power,
+	}); err == nil || !strings.Contains(err.Error(), `no rung above "power"`) {
+		t.Errorf("admitting above the top: %v", err)
+	}
+	r.finish(w)
+	if n := r.rebootsInWindow(); n != 1 {
+		t.Errorf("%d restarts in the window, want 1 (the power cycle)", n)
+	}
+	tried, err := r.db.RecoveryStreak(t.Context(), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := bmdb.DescribeRungs(tried); got != "agent (restart the agent over SSH): failed: no SSH answer; "+
+		"reboot (in-band reboot): failed: in-band path dead; power (power cycle through the BMC): done" {
+		t.Errorf("streak: %s", got)
+	}
+
+	// Taken over again, silent again without a heartbeat: the top again.
+	r.started(m, 2*time.Hour)
+	w = r.claim(r.s, m)
+	a = admit("", 5, bmdb.RebootAdmitted)
+	if a.Rung != ladder.Power || a.Streak != 2 || len(a.Tried) != 3 {
+		t.Fatalf("second silence: %+v, want the power rung again, streak 2", a)
+	}
+	r.finish(w)
+
+	// A heartbeat ends the streak; the next silence starts at the bottom,
+	// and a climb for one incarnation keeps the streak's start.
+	r.started(m, 2*time.Hour)
+	r.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.RecordHeartbeat(ctx, m) })
+	r.db.Exec(t, "UPDATE machine_agent_heartbeat SET agent_heartbeat_at = now() - interval '1 hour' WHERE machine_id = $1", m)
+	w = r.claim(r.s, m)
+	a = admit("", 5, bmdb.RebootAdmitted)
+	if a.Rung != ladder.Agent || a.Streak != 1 || len(a.Tried) != 0 {
+		t.Fatalf("after a heartbeat: %+v, want the agent rung, a new streak", a)
+	}
+	fail(a, false, "no SSH answer")
+	if a = admit(ladder.Agent, 5, bmdb.RebootAdmitted); a.Rung != ladder.Reboot || len(a.Tried) != 1 {
+		t.Fatalf("climbing in the new streak: %+v, want the reboot rung with the failed agent rung tried", a)
+	}
+	r.finish(w)
 }

@@ -30,18 +30,32 @@ WHERE s.machine_id = @machine_id;
 -- name: RecoveryStreak :many
 -- RecoveryStreak lists the rungs of the recovery ladder taken for the
 -- machine since its agent last heartbeated, oldest first, failed ones
--- included: the ladder's progress. The streak starts at the first
--- admission for the last agent incarnation that had heartbeated (a climb
--- admits several rungs for one incarnation), or after an operator's Reset
--- of the machine's Recovery, whichever is later; a current incarnation
--- that heartbeated ends it (no rows).
-WITH streak_start AS (
+-- included: the ladder's progress. While the current agent incarnation has
+-- heartbeated (a heartbeat row exists only for the current one), the
+-- streak is the rungs taken for it: none until it falls silent, then its
+-- climb. Otherwise the streak starts at the first admission for the last
+-- incarnation that had heartbeated (a climb admits several rungs for one
+-- incarnation). An operator's Reset of the machine's Recovery starts it
+-- over in either case.
+WITH cur AS (
+    SELECT s.agent_started_at,
+           EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = s.machine_id) AS heartbeated
+    FROM machine_agent_started s
+    WHERE s.machine_id = @machine_id
+),
+streak_start AS (
     SELECT GREATEST(
-        (SELECT min(a.admitted_at) FROM recovery_admissions a
-         WHERE a.machine_id = @machine_id AND a.heartbeated
-           AND a.agent_started_at = (
-               SELECT max(b.agent_started_at) FROM recovery_admissions b
-               WHERE b.machine_id = @machine_id AND b.heartbeated)),
+        CASE WHEN (SELECT cur.heartbeated FROM cur) THEN
+            COALESCE((SELECT min(a.admitted_at) FROM recovery_admissions a, cur
+                      WHERE a.machine_id = @machine_id AND a.agent_started_at = cur.agent_started_at),
+                     'infinity'::timestamptz)
+        ELSE
+            (SELECT min(a.admitted_at) FROM recovery_admissions a
+             WHERE a.machine_id = @machine_id AND a.heartbeated
+               AND a.agent_started_at = (
+                   SELECT max(b.agent_started_at) FROM recovery_admissions b
+                   WHERE b.machine_id = @machine_id AND b.heartbeated))
+        END,
         (SELECT max(h.at) + interval '1 microsecond' FROM work_history h
          WHERE h.machine_id = @machine_id AND h.process = 'Recovery' AND h.event = 'Reset'),
         '-infinity'::timestamptz) AS at
@@ -49,7 +63,6 @@ WITH streak_start AS (
 SELECT a.rung, a.failed, a.reached, a.result, a.admitted_at
 FROM recovery_admissions a, streak_start st
 WHERE a.machine_id = @machine_id AND a.admitted_at >= st.at
-  AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = @machine_id)
 ORDER BY a.admission_id;
 
 -- name: RecoveryAdmit :one
