@@ -40,6 +40,9 @@ type fleetConfig struct {
 	sim       sim.Config
 	recoverer manager.RecovererConfig
 	interval  time.Duration // heartbeat interval the server hands out
+	// agentRung gives the recoverer the initializer's SSH key, so that
+	// the ladder's agent rung applies.
+	agentRung bool
 }
 
 func startFleet(t *testing.T, cfg fleetConfig) *fleet {
@@ -96,6 +99,9 @@ func startFleet(t *testing.T, cfg fleetConfig) *fleet {
 	rcfg := cfg.recoverer
 	rcfg.Loop = fast
 	rcfg.Backoff = bmdb.BackoffPolicy{Initial: 500 * time.Millisecond}
+	if cfg.agentRung {
+		rcfg.SSHKey = signer
+	}
 	rc, err := manager.NewRecoverer(rcfg, db.DB, f.sim, reg, nil)
 	if err != nil {
 		t.Fatal(err)

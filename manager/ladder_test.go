@@ -1,0 +1,141 @@
+package manager_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/manager"
+	"github.com/shepherd/shepherd/power"
+	"github.com/shepherd/shepherd/provider/sim"
+)
+
+// TestLadderOnSimulatedBMCs climbs the recovery ladder on a simulated fleet
+// whose machines have BMCs, each machine failing differently at once:
+//   - sim-000001's agent hangs, its host answers: the agent rung restarts
+//     it, without a reboot and without touching the BMC;
+//   - sim-000002 hangs whole (agent silent, SSH dead): the agent and reboot
+//     rungs fail without reaching it, the power cycle brings it back;
+//   - sim-000003 hangs, and its BMC refuses the credentials: asked exactly
+//     once (BMCs lock accounts), then the machine is quarantined with a
+//     cause naming every rung and what it returned;
+//   - sim-000004 hangs, and its BMC never answers: within the controller's
+//     bounds (2 calls of 500ms), then quarantined the same way.
+func TestLadderOnSimulatedBMCs(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 4, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond,
+			BMC: &sim.BMCConfig{
+				Fraction: 1, Transition: 100 * time.Millisecond,
+				Power: power.Config{MinInterval: 20 * time.Millisecond, CallTimeout: 500 * time.Millisecond, Settle: 2 * time.Second, Attempts: 2},
+				Auth:  sim.BMCFault{Machines: []string{"sim-000003"}},
+				Hung:  sim.BMCFault{Machines: []string{"sim-000004"}},
+			}},
+		recoverer: manager.RecovererConfig{
+			// Forty heartbeat intervals: no loaded machine stalls that long.
+			HeartbeatTimeout: 8 * time.Second, FirstHeartbeatTimeout: time.Minute,
+			MaxRebootsPerWindow: 100, SilentFraction: 1,
+		},
+		interval:  200 * time.Millisecond,
+		agentRung: true,
+	})
+	f.waitHealthy(4, 3*time.Minute)
+	ids := map[string]uuid.UUID{}
+	refs, err := f.db.ListProvided(t.Context(), f.sim.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range refs {
+		ids[r.ProviderID] = r.MachineID
+	}
+	if err := f.sim.Silence("sim-000001"); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.sim.Hang("sim-000002", "sim-000003", "sim-000004"); err != nil {
+		t.Fatal(err)
+	}
+
+	// lastRecovery waits until machine's Recovery history ends with want.
+	lastRecovery := func(pid string, want bmdb.Event) string {
+		t.Helper()
+		var cause string
+		bmdbtest.WaitFor(t, 2*time.Minute, pid+"'s recovery "+string(want), func(ctx context.Context) (bool, error) {
+			h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: ids[pid], Process: bmdb.ProcessRecovery})
+			if err != nil || len(h) == 0 {
+				return false, err
+			}
+			last := h[len(h)-1]
+			cause = last.Cause
+			return last.Event == want, nil
+		})
+		return cause
+	}
+
+	if cause := lastRecovery("sim-000001", bmdb.EventFinished); cause != "recovery rung agent (restart the agent over SSH) done; waiting for a heartbeat" {
+		t.Errorf("sim-000001's recovery: %q, want the agent rung alone", cause)
+	}
+	cause := lastRecovery("sim-000002", bmdb.EventFinished)
+	for _, want := range []string{
+		"recovery rung power (power cycle through the BMC) done",
+		"below it: agent (restart the agent over SSH): failed: the machine does not answer SSH",
+		"; reboot (in-band reboot): failed: rebooting through sim",
+	} {
+		if !strings.Contains(cause, want) {
+			t.Errorf("sim-000002's recovery: %q, want it to say %q", cause, want)
+		}
+	}
+	for pid, class := range map[string]error{"sim-000003": power.ErrAuth, "sim-000004": power.ErrUnreachable} {
+		b := waitQuarantined(t, f, ids[pid])
+		for _, want := range []string{"every recovery rung failed: agent", "power (power cycle through the BMC): failed: power cycle through sim-bmc " + pid, class.Error()} {
+			if !strings.Contains(b.Cause, want) {
+				t.Errorf("%s's quarantine: %q, want it to say %q", pid, b.Cause, want)
+			}
+		}
+	}
+	f.waitHealthy(2, 2*time.Minute)
+
+	if _, n := f.sim.Rebooted("sim-000001"); n != 0 {
+		t.Errorf("sim-000001 rebooted %d times although restarting its agent did", n)
+	}
+	if n := f.sim.BMCCalls("sim-000001"); n != 0 {
+		t.Errorf("sim-000001's BMC called %d times although restarting its agent did", n)
+	}
+	if n := f.sim.BMCCalls("sim-000002"); n < 4 {
+		t.Errorf("sim-000002's BMC called %d times, want a whole cycle (state, off, state, on, state)", n)
+	}
+	if n := f.sim.BMCCalls("sim-000003"); n != 1 {
+		t.Errorf("the BMC that refused the credentials was asked %d times, want once", n)
+	}
+	if n := f.sim.BMCCalls("sim-000004"); n != 2 {
+		t.Errorf("the hung BMC was called %d times, want the controller's 2 attempts", n)
+	}
+	// The breaker counted the power cycles that reached a BMC, not the
+	// agent restart, nor the rungs that failed before reaching anything.
+	st, err := manager.ReadBreaker(t.Context(), f.db.DB, f.sim.Name(), manager.RecovererConfig{MaxRebootsPerWindow: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.RebootsInWindow != 2 {
+		t.Errorf("breaker counts %d restarts, want 2 (sim-000002's cycle and the hung BMC's, which may have acted)", st.RebootsInWindow)
+	}
+}
+
+// waitQuarantined waits until machine is quarantined for Recovery.
+func waitQuarantined(t *testing.T, f *fleet, machine uuid.UUID) bmdb.Backoff {
+	t.Helper()
+	var b bmdb.Backoff
+	bmdbtest.WaitFor(t, 2*time.Minute, "machine "+machine.String()+" quarantined for Recovery", func(ctx context.Context) (bool, error) {
+		var err error
+		b, err = f.db.GetBackoff(ctx, machine, bmdb.ProcessRecovery)
+		if err != nil {
+			return false, nil
+		}
+		return b.Quarantined, nil
+	})
+	return b
+}
