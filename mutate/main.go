@@ -61,14 +61,16 @@ var targets = []target{
 	{dir: "power/redfish"},
 	// bmdb's whole suite takes minutes per mutant; the tests of sessions,
 	// work and backoff judge these files (TestHold: work.go's claim loop,
-	// FinishWithCause and FailWithoutBackoff serve Hold too).
-	{dir: "bmdb", only: []string{"backoff.go", "session.go", "work.go"},
-		run: "^(TestBackoff|TestJitter|TestParseBackoff|TestSession|TestWork|TestMutualExclusion|TestKeepSession|TestCrash|TestEnd|TestAmbiguous|TestReconciliation|TestFailStores|TestUnavailable|TestDeleteSessions|TestConcurrentWorkers|TestPostgresRestart|TestTransact|TestProcessesMatchDatabase|TestHold)"},
+	// FinishWithCause and FailWithoutBackoff serve Hold too), and the
+	// recovery ladder's admissions (issue 12) theirs.
+	{dir: "bmdb", only: []string{"backoff.go", "session.go", "work.go", "recovery.go"},
+		run: "^(TestBackoff|TestJitter|TestParseBackoff|TestSession|TestWork|TestMutualExclusion|TestKeepSession|TestCrash|TestEnd|TestAmbiguous|TestReconciliation|TestFailStores|TestUnavailable|TestDeleteSessions|TestConcurrentWorkers|TestPostgresRestart|TestTransact|TestProcessesMatchDatabase|TestHold|TestAdmitReboot|TestRebootBudget|TestRebootStreak|TestLadderClimbs|TestMissingAndStopped)"},
+	{dir: "ladder"},
 	// manager, in parts: its whole suite takes 100 s of CPU per mutant.
 	{dir: "manager", only: []string{"loop.go", "limit.go", "metrics.go"},
 		run: "^(TestRunner|TestJitter|TestSleep|TestRetryEnd|TestWorkEnd|TestWorkHeld|TestParseLimit|TestLimitFlag|TestDefaults|TestProvisionerConfig|TestProvisionerLimits|TestProvisionerRun|TestJanitorRun|TestUpdaterRun|TestUpdaterWait|TestBreaker)"},
 	{dir: "manager", only: []string{"recoverer.go", "budget.go"},
-		run: "^(TestReadBreaker|TestRecoverer|TestRequestBudgets|TestSimFleetRecovers|TestCircuitBreaker|TestRebootStreak|TestUnreached|TestBreaker|TestRunnerAdmit|TestDefaults)"},
+		run: "^(TestReadBreaker|TestRecoverer|TestRequestBudgets|TestSimFleetRecovers|TestCircuitBreaker|TestRebootStreak|TestUnreached|TestBreaker|TestRunnerAdmit|TestDefaults|TestLadder)"},
 	{dir: "manager", only: []string{"initializer.go", "hostkeys.go", "sshtarget.go"},
 		run: "^(TestHostKey|TestExplainMismatch|TestMachineTarget|TestStopAgent|TestCheckTakeover|TestRemotePaths|TestInitializerConfig|TestSecrets|TestTrustOnFirstUse|TestAccepted|TestTakeover|TestDecommissionStopsAgentOverSSH|TestSimFleetRecovers|TestSmallFleet|TestBrokenInventory|TestDefaults)"},
 	{dir: "manager", only: []string{"decommissioner.go"},
