@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/safetext"
 	"github.com/shepherd/shepherd/ladder"
 )
 
@@ -379,4 +380,40 @@ func (db *DB) DeleteRecoveryAdmissions(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("bmdb: deleting old reboot admissions: %w", err)
 	}
 	return n, nil
+}
+
+// PowerOffHoldCause begins the cause of the quarantine with which an
+// operator's power off holds a machine's Recovery (HoldRecoveryPoweredOff).
+const PowerOffHoldCause = "powered off by an operator"
+
+// HoldRecoveryPoweredOff quarantines machine's Recovery because an operator
+// powered it off (session is the operator's; detail says who, how and
+// why), in the transaction that records the power off: the machine is
+// silent on purpose, and the recovery ladder would power it back on. It
+// does nothing when Recovery is quarantined already. The operator's power
+// on (ReleaseRecoveryPowerOffHold) or a Reset of Recovery ends it.
+func (tx *Tx) HoldRecoveryPoweredOff(ctx context.Context, machine, session uuid.UUID, detail string) error {
+	cause := PowerOffHoldCause
+	if detail != "" {
+		cause += " (" + detail + ")"
+	}
+	cause += "; recovery resumes when it is powered on through Shepherd or its Recovery is reset"
+	if err := tx.q.RecoveryPowerOffHold(ctx, model.RecoveryPowerOffHoldParams{
+		MachineID: machine, SessionID: uuid.NullUUID{UUID: session, Valid: session != uuid.Nil}, Cause: safetext.Clean(cause)}); err != nil {
+		return fmt.Errorf("bmdb: holding the recovery of machine %s: %w", machine, err)
+	}
+	return nil
+}
+
+// ReleaseRecoveryPowerOffHold ends the quarantine HoldRecoveryPoweredOff
+// set on machine's Recovery, with history Reset (cause says why), and
+// reports whether there was one; another quarantine of Recovery stays.
+func (tx *Tx) ReleaseRecoveryPowerOffHold(ctx context.Context, machine, session uuid.UUID, cause string) (bool, error) {
+	n, err := tx.q.RecoveryPowerOffRelease(ctx, model.RecoveryPowerOffReleaseParams{
+		MachineID: machine, SessionID: uuid.NullUUID{UUID: session, Valid: session != uuid.Nil},
+		Cause: safetext.Clean(cause), Prefix: PowerOffHoldCause})
+	if err != nil {
+		return false, fmt.Errorf("bmdb: releasing the recovery of machine %s: %w", machine, err)
+	}
+	return n > 0, nil
 }

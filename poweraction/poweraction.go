@@ -237,7 +237,8 @@ func (j *Job) Cancel(ctx context.Context) {
 
 // Run carries out the job's action, records what the BMC said as the
 // machine's power state (an error, with its class, too) and ends the hold:
-// history Finished with what was found and done, or Failed, without a
+// history Finished with what was found and done (a power off also holds
+// the machine's Recovery, a power on or cycle ends that hold), or Failed, without a
 // backoff, with the error's class (auth, unreachable, busy, ...). The BMC
 // calls stop at Request.Timeout, when ctx ends, or when the session is
 // lost (the machine may then be someone else's); the hold ends all the
@@ -273,7 +274,17 @@ func (j *Job) Run(ctx context.Context) (Result, error) {
 	}
 	j.record(ctx, now, nil)
 	r := Result{Found: found, Now: now, Cause: fmt.Sprintf("power %s: found %s, now %s", a, found, now)}
-	if err := j.work.FinishWithCause(ectx, r.Cause, nil); err != nil {
+	// A machine an operator switched off is silent on purpose: its
+	// Recovery is held, or the recovery ladder would power it back on,
+	// until an operator powers it on again.
+	recovery := func(ctx context.Context, tx *bmdb.Tx) error {
+		if a == Off {
+			return tx.HoldRecoveryPoweredOff(ctx, j.m.ID, j.sess.ID(), "by "+j.req.By)
+		}
+		_, err := tx.ReleaseRecoveryPowerOffHold(ctx, j.m.ID, j.sess.ID(), fmt.Sprintf("power %s by %s", a, j.req.By))
+		return err
+	}
+	if err := j.work.FinishWithCause(ectx, r.Cause, recovery); err != nil {
 		return r, fmt.Errorf("machine %s: %s, but history Finished was not written: %w", j.m.ID, r.Cause, err)
 	}
 	return r, nil

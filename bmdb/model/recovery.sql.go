@@ -126,6 +126,71 @@ func (q *Queries) RecoveryAdmit(ctx context.Context, arg RecoveryAdmitParams) (R
 	return i, err
 }
 
+const recoveryPowerOffHold = `-- name: RecoveryPowerOffHold :exec
+WITH q AS (
+    INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
+    VALUES ($3, 'Recovery', now(), $2, 0, 1, now())
+    ON CONFLICT (machine_id, process) DO UPDATE
+    SET quarantined_at = now(), cause = EXCLUDED.cause, updated_at = now()
+    WHERE b.quarantined_at IS NULL
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT q.machine_id, 'Recovery', 'Quarantined', $1::uuid, $2
+FROM q
+`
+
+type RecoveryPowerOffHoldParams struct {
+	SessionID uuid.NullUUID
+	Cause     string
+	MachineID uuid.UUID
+}
+
+// RecoveryPowerOffHold quarantines the machine's Recovery with the cause of
+// an operator's power off, and writes history Quarantined, unless Recovery
+// is quarantined already: a machine an operator switched off is silent on
+// purpose, and the recovery ladder would power it back on.
+func (q *Queries) RecoveryPowerOffHold(ctx context.Context, arg RecoveryPowerOffHoldParams) error {
+	_, err := q.db.Exec(ctx, recoveryPowerOffHold, arg.SessionID, arg.Cause, arg.MachineID)
+	return err
+}
+
+const recoveryPowerOffRelease = `-- name: RecoveryPowerOffRelease :execrows
+WITH d AS (
+    DELETE FROM work_backoff b
+    WHERE b.machine_id = $3 AND b.process = 'Recovery' AND b.quarantined_at IS NOT NULL
+      AND starts_with(b.cause, $4::text)
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT d.machine_id, 'Recovery', 'Reset', $1::uuid, $2
+FROM d
+`
+
+type RecoveryPowerOffReleaseParams struct {
+	SessionID uuid.NullUUID
+	Cause     string
+	MachineID uuid.UUID
+	Prefix    string
+}
+
+// RecoveryPowerOffRelease ends the quarantine RecoveryPowerOffHold set (its
+// cause starts with @prefix), and writes history Reset; any other
+// quarantine of Recovery stays. The Reset starts the machine's recovery
+// streak over.
+func (q *Queries) RecoveryPowerOffRelease(ctx context.Context, arg RecoveryPowerOffReleaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, recoveryPowerOffRelease,
+		arg.SessionID,
+		arg.Cause,
+		arg.MachineID,
+		arg.Prefix,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const recoveryQuarantine = `-- name: RecoveryQuarantine :exec
 WITH q AS (
     INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)

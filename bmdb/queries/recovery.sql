@@ -106,3 +106,35 @@ FROM q;
 -- which is at least the longest breaker window (bmdb.MaxRecoveryWindow).
 DELETE FROM recovery_admissions
 WHERE admitted_at < now() - interval '1 millisecond' * @retention_ms::bigint;
+
+-- name: RecoveryPowerOffHold :exec
+-- RecoveryPowerOffHold quarantines the machine's Recovery with the cause of
+-- an operator's power off, and writes history Quarantined, unless Recovery
+-- is quarantined already: a machine an operator switched off is silent on
+-- purpose, and the recovery ladder would power it back on.
+WITH q AS (
+    INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
+    VALUES (@machine_id, 'Recovery', now(), @cause, 0, 1, now())
+    ON CONFLICT (machine_id, process) DO UPDATE
+    SET quarantined_at = now(), cause = EXCLUDED.cause, updated_at = now()
+    WHERE b.quarantined_at IS NULL
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT q.machine_id, 'Recovery', 'Quarantined', sqlc.narg(session_id)::uuid, @cause
+FROM q;
+
+-- name: RecoveryPowerOffRelease :execrows
+-- RecoveryPowerOffRelease ends the quarantine RecoveryPowerOffHold set (its
+-- cause starts with @prefix), and writes history Reset; any other
+-- quarantine of Recovery stays. The Reset starts the machine's recovery
+-- streak over.
+WITH d AS (
+    DELETE FROM work_backoff b
+    WHERE b.machine_id = @machine_id AND b.process = 'Recovery' AND b.quarantined_at IS NOT NULL
+      AND starts_with(b.cause, @prefix::text)
+    RETURNING b.machine_id
+)
+INSERT INTO work_history (machine_id, process, event, session_id, cause)
+SELECT d.machine_id, 'Recovery', 'Reset', sqlc.narg(session_id)::uuid, @cause
+FROM d;

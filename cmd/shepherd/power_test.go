@@ -187,11 +187,16 @@ func TestMachinePowerActions(t *testing.T) {
 		args   []string
 		state  power.State
 		cause  string
+		// recovery is the Recovery history the action adds: a power off
+		// holds the machine's recovery (or the ladder would power it back
+		// on), the power on releases it.
+		recovery string
 	}{
-		{"", []string{"off", "--yes"}, power.Off, "power off: found on, now off"},
-		{"", []string{"off", "-y"}, power.Off, "power off: found off, now off"},
-		{"", []string{"on"}, power.On, "power on: found off, now on"},
-		{"y\n", []string{"cycle"}, power.On, "power cycle: found on, now on"},
+		{"", []string{"off", "--yes"}, power.Off, "power off: found on, now off",
+			"Recovery Quarantined powered off by an operator (" + operator + "); recovery resumes when it is powered on through Shepherd or its Recovery is reset"},
+		{"", []string{"off", "-y"}, power.Off, "power off: found off, now off", ""},
+		{"", []string{"on"}, power.On, "power on: found off, now on", "Recovery Reset power on " + operator},
+		{"y\n", []string{"cycle"}, power.On, "power cycle: found on, now on", ""},
 	} {
 		before := len(f.calls(t))
 		out, err := f.power(t, step.answer, append(step.args, f.m.String())...)
@@ -206,6 +211,13 @@ func TestMachinePowerActions(t *testing.T) {
 		}
 		action := step.args[0]
 		want = append(want, "Power Started power "+action+" "+operator, "Power Finished "+step.cause)
+		if step.recovery != "" {
+			want = append(want, step.recovery)
+		}
+		b, err := f.db.GetBackoff(t.Context(), f.m, bmdb.ProcessRecovery)
+		if held := err == nil && b.Quarantined; held != (step.state == power.Off) {
+			t.Errorf("after %v the machine's Recovery is quarantined: %v (%+v, %v), want it held exactly while off", step.args, held, b, err)
+		}
 		if diff := cmp.Diff(want, bmdbtest.History(t, f.db, f.m)); diff != "" {
 			t.Errorf("history after %v (-want +got):\n%s", step.args, diff)
 		}
