@@ -10,6 +10,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider/sim"
@@ -113,6 +114,17 @@ func TestLadderOnSimulatedBMCs(t *testing.T) {
 	}
 	if n := f.sim.BMCCalls("sim-000004"); n != 2 {
 		t.Errorf("the hung BMC was called %d times, want the controller's 2 attempts", n)
+	}
+	for _, c := range []struct {
+		rung, result string
+		want         float64
+	}{
+		{"agent", "done", 1}, {"agent", "failed", 3}, {"reboot", "failed", 3}, {"reboot", "done", 0},
+		{"power", "done", 1}, {"power", "failed", 2}, {"reinstall", "done", 0},
+	} {
+		if got := metricstest.Value(t, f.reg, "shepherd_recovery_rungs_total", "rung", c.rung, "result", c.result); got != c.want {
+			t.Errorf("shepherd_recovery_rungs_total{rung=%q,result=%q} = %v, want %v", c.rung, c.result, got, c.want)
+		}
 	}
 	// The breaker counted the power cycles that reached a BMC, not the
 	// agent restart, nor the rungs that failed before reaching anything.

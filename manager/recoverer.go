@@ -121,6 +121,8 @@ type Recoverer struct {
 	runner  *Runner
 	log     *slog.Logger
 	breaker *breaker
+	// rungs counts the rungs taken, by rung and result (done, failed).
+	rungs *prometheus.CounterVec
 }
 
 // NewRecoverer validates cfg and returns the recoverer for provider p,
@@ -156,6 +158,18 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 		return nil, err
 	}
 	rc.breaker = b
+	rc.rungs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name:        "shepherd_recovery_rungs_total",
+		Help:        "Rungs of the recovery ladder taken for silent machines, by rung (agent, reboot, power, reinstall) and result (done, failed).",
+		ConstLabels: prometheus.Labels{"provider": p.Name()},
+	}, []string{"rung", "result"})
+	if err := register(reg, rc.rungs); err != nil {
+		return nil, fmt.Errorf("recoverer: %w", err)
+	}
+	for _, r := range ladder.All {
+		rc.rungs.WithLabelValues(string(r), "done")
+		rc.rungs.WithLabelValues(string(r), "failed")
+	}
 	rc.runner, err = NewRunner("recoverer", cfg.Loop, Loop{
 		Process:    bmdb.ProcessRecovery,
 		Candidates: rc.candidates,
@@ -248,6 +262,11 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 		t.Log.InfoContext(ctx, "recovering silent machine", "rung", a.Rung, "provider_id", t.Machine.ProviderID,
 			"restarts_in_window", a.InWindow, "rungs_without_heartbeat", a.Streak)
 		err = rc.take(ctx, t, a.Rung)
+		result := "done"
+		if err != nil {
+			result = "failed"
+		}
+		rc.rungs.WithLabelValues(string(a.Rung), result).Inc()
 		if err == nil {
 			t.Note = fmt.Sprintf("recovery rung %s (%s) done; waiting for a heartbeat", a.Rung, a.Rung.Describe())
 			if len(climbed) > 0 {
