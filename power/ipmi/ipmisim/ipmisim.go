@@ -392,14 +392,32 @@ func (b *BMC) login(ctx context.Context) error {
 	return c.Close(ctx)
 }
 
-// Stop ends ipmi_sim (SIGTERM, then SIGKILL after 5 s) and waits for it.
-// Calls after the first do nothing.
+// Freeze stops ipmi_sim (SIGSTOP) without ending it: a hung BMC, which
+// takes datagrams and never answers. Thaw, or Stop, lets it go on.
+func (b *BMC) Freeze() error {
+	if err := b.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return fmt.Errorf("ipmisim: freezing: %w", err)
+	}
+	return nil
+}
+
+// Thaw continues a frozen ipmi_sim (SIGCONT).
+func (b *BMC) Thaw() error {
+	if err := b.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		return fmt.Errorf("ipmisim: thawing: %w", err)
+	}
+	return nil
+}
+
+// Stop ends ipmi_sim (SIGTERM, then SIGKILL after 5 s), frozen or not, and
+// waits for it. Calls after the first do nothing.
 func (b *BMC) Stop() {
 	b.stopOnce.Do(func() {
 		if b.cmd == nil {
 			return
 		}
 		_ = b.cmd.Process.Signal(syscall.SIGTERM)
+		_ = b.cmd.Process.Signal(syscall.SIGCONT) // a frozen one takes the SIGTERM now
 		select {
 		case <-b.done:
 		case <-time.After(5 * time.Second):
