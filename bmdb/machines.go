@@ -469,6 +469,9 @@ type MachineDetail struct {
 	// Power is the last known power state, read through the machine's BMC
 	// (`shepherd machine power`); nil if it was never checked.
 	Power *PowerStatus
+	// Ladder is the recovery ladder's progress: the rungs taken since the
+	// agent last heartbeated (DB.RecoveryStreak); empty when none.
+	Ladder []RungAttempt
 }
 
 // GetMachine returns a machine with all of its tags, read in one
@@ -508,6 +511,9 @@ func (db *DB) GetMachineWithTimeouts(ctx context.Context, id uuid.UUID, firstHea
 		}
 		if d.Power, err = powerStatus(ctx, q, id); err != nil {
 			return fmt.Errorf("reading power state: %w", err)
+		}
+		if d.Ladder, err = recoveryStreak(ctx, q, id); err != nil {
+			return err
 		}
 		backoffs, err := q.MachineBackoffs(ctx, id)
 		if err != nil {

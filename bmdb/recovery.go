@@ -343,7 +343,11 @@ func (s *Session) QuarantineRecovery(ctx context.Context, machine uuid.UUID, cau
 // since its agent last heartbeated, oldest first, failed ones included: the
 // ladder's progress, for pages and the CLI.
 func (db *DB) RecoveryStreak(ctx context.Context, machine uuid.UUID) ([]RungAttempt, error) {
-	rows, err := db.q.RecoveryStreak(ctx, machine)
+	return recoveryStreak(ctx, db.q, machine)
+}
+
+func recoveryStreak(ctx context.Context, q *model.Queries, machine uuid.UUID) ([]RungAttempt, error) {
+	rows, err := q.RecoveryStreak(ctx, machine)
 	if err != nil {
 		return nil, fmt.Errorf("bmdb: reading the recovery streak of machine %s: %w", machine, err)
 	}

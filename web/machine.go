@@ -142,9 +142,7 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 			d.Power.Actions = append(d.Power.Actions, powerLink{Name: a.name, Title: a.title, Danger: a.danger})
 		}
 	}
-	if d.Ladder, err = s.db.RecoveryStreak(ctx, id); err != nil {
-		return nil, err
-	}
+	d.Ladder = m.Ladder // read in the same snapshot as the rest of the page
 	if in := m.Installation; in != nil {
 		iv := &installView{Installation: *in, Installed: in.Installed()}
 		if in.RequestGeneration > 0 {

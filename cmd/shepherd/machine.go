@@ -312,6 +312,17 @@ type machineDetailJSON struct {
 	HostKey             *hostKeyJSON         `json:"host_key"`
 	DecommissionRequest *decommissionReqJSON `json:"decommission_request"`
 	Power               *powerJSON           `json:"power"`
+	RecoveryLadder      []rungJSON           `json:"recovery_ladder"`
+}
+
+// rungJSON is one rung of the recovery ladder taken since the last
+// heartbeat.
+type rungJSON struct {
+	Rung    string    `json:"rung"`
+	At      time.Time `json:"at"`
+	Failed  bool      `json:"failed"`
+	Reached bool      `json:"reached"`
+	Result  string    `json:"result"`
 }
 
 // powerJSON is the last known power state (`machine power`).
@@ -443,6 +454,9 @@ func detailJSON(d bmdb.MachineDetail) machineDetailJSON {
 	if p := d.Power; p != nil {
 		j.Power = &powerJSON{BMC: p.BMC, State: p.State, StateAt: p.StateAt, ErrorClass: p.ErrorClass, Error: p.Error, CheckedAt: p.CheckedAt}
 	}
+	for _, r := range d.Ladder {
+		j.RecoveryLadder = append(j.RecoveryLadder, rungJSON{Rung: string(r.Rung), At: r.At, Failed: r.Failed, Reached: r.Reached, Result: r.Result})
+	}
 	for _, w := range d.Work {
 		j.Work = append(j.Work, workJSON{Process: string(w.Process), SessionID: w.SessionID, Component: w.Component, StartedAt: w.StartedAt})
 	}
@@ -540,6 +554,13 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 
 	section("Power")
 	writePower(line, d)
+	if len(d.Ladder) > 0 {
+		section("Recovery ladder (since the last heartbeat)")
+		for _, r := range d.Ladder {
+			at := r.At
+			line("  "+string(r.Rung), "%s: %s", timeText(&at), strings.TrimPrefix(r.String(), string(r.Rung)+" "))
+		}
+	}
 
 	section("Agent")
 	line("  Started", "%s", timeText(d.AgentStartedAt))

@@ -17,6 +17,7 @@ import (
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/ladder"
 )
 
 // quarantine claims a machine for agent start and fails it once under a
@@ -440,5 +441,76 @@ func TestMachineCommandErrors(t *testing.T) {
 	t.Setenv("SHEPHERD_DATABASE_URL", "")
 	if _, err := run(t, "machine", "list"); err == nil || !strings.Contains(err.Error(), "--database-url") {
 		t.Errorf("machine list without a database: %v", err)
+	}
+}
+
+// TestMachineShowRecoveryLadder: machine show lists the rungs of the
+// recovery ladder taken since the agent last heartbeated, with what each
+// returned, as text and JSON.
+func TestMachineShowRecoveryLadder(t *testing.T) {
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "recoverer", time.Minute)
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	if err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		return tx.SetAgentStarted(ctx, m, make(ed25519.PublicKey, ed25519.PublicKeySize))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	db.Exec(t, "UPDATE machine_agent_started SET agent_started_at = now() - interval '2 hours' WHERE machine_id = $1", m)
+	db.Exec(t, "UPDATE machine_provided SET agent_phase_since = now() - interval '2 hours' WHERE machine_id = $1", m)
+	out, err := run(t, "machine", "show", m.String(), "--database-url", db.URL)
+	if err != nil || strings.Contains(out, "Recovery ladder") {
+		t.Fatalf("machine show before any rung: %v\n%s", err, out)
+	}
+
+	cands := bmdb.RecoveryCandidates("p", 0, 0)
+	if _, err := s.Work(t.Context(), bmdb.ProcessRecovery, cands); err != nil {
+		t.Fatal(err)
+	}
+	req := bmdb.RebootRequest{Provider: "p", MachineID: m, Candidates: cands, Window: time.Minute, Max: 10, StreakLimit: 3,
+		Ladder: []ladder.Rung{ladder.Agent, ladder.Reboot, ladder.Power}}
+	a, err := s.AdmitReboot(t.Context(), req)
+	if err != nil || a.Rung != ladder.Agent {
+		t.Fatalf("admitting the agent rung: %+v, %v", a, err)
+	}
+	if err := s.RebootFailed(t.Context(), a, false, "the machine does not answer SSH"); err != nil {
+		t.Fatal(err)
+	}
+	req.After = ladder.Agent
+	if a, err = s.AdmitReboot(t.Context(), req); err != nil || a.Rung != ladder.Reboot {
+		t.Fatalf("admitting the reboot rung: %+v, %v", a, err)
+	}
+
+	out, err = run(t, "machine", "show", m.String(), "--database-url", db.URL)
+	if err != nil {
+		t.Fatalf("machine show: %v\n%s", err, out)
+	}
+	for _, want := range []string{"Recovery ladder (since the last heartbeat)",
+		"(restart the agent over SSH): failed: the machine does not answer SSH", "(in-band reboot): done"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("machine show lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Index(out, "restart the agent") > strings.Index(out, "in-band reboot") {
+		t.Errorf("machine show lists the rungs out of order:\n%s", out)
+	}
+	out, err = run(t, "machine", "show", m.String(), "--output", "json", "--database-url", db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var j struct {
+		Ladder []struct {
+			Rung    string `json:"rung"`
+			Failed  bool   `json:"failed"`
+			Reached bool   `json:"reached"`
+			Result  string `json:"result"`
+		} `json:"recovery_ladder"`
+	}
+	if err := json.Unmarshal([]byte(out), &j); err != nil {
+		t.Fatalf("machine show --output json: %v\n%s", err, out)
+	}
+	if len(j.Ladder) != 2 || j.Ladder[0].Rung != "agent" || !j.Ladder[0].Failed || j.Ladder[0].Reached ||
+		j.Ladder[0].Result != "the machine does not answer SSH" || j.Ladder[1].Rung != "reboot" || j.Ladder[1].Failed {
+		t.Errorf("recovery_ladder: %+v", j.Ladder)
 	}
 }
