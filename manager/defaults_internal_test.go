@@ -102,7 +102,7 @@ func TestDefaults(t *testing.T) {
 	if diff := cmp.Diff(RecovererConfig{FirstHeartbeatTimeout: 30 * time.Minute, HeartbeatTimeout: 10 * time.Minute,
 		MaxRebootsWithoutHeartbeat: 3, Window: 10 * time.Minute, SilentFraction: 0.25, RebootTimeout: 5 * time.Minute,
 		Backoff: bmdb.RecoveryBackoff(), Rungs: ladder.Default, SSHUser: "root", ConnectTimeout: 30 * time.Second,
-		PowerTimeout: 5 * time.Minute}, rc.cfg); diff != "" {
+		PowerTimeout: 5 * time.Minute, BootTimeout: 10 * time.Minute, BootPoll: 2 * time.Second}, rc.cfg); diff != "" {
 		t.Errorf("recoverer defaults (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(loopDefaults, rc.runner.cfg); diff != "" {
@@ -111,7 +111,7 @@ func TestDefaults(t *testing.T) {
 	rset := RecovererConfig{Loop: set, FirstHeartbeatTimeout: time.Minute, HeartbeatTimeout: 2 * time.Minute, MaxRebootsPerWindow: 7,
 		Window: time.Hour, MaxRebootsWithoutHeartbeat: 5, SilentFraction: 0.5, RebootTimeout: time.Second,
 		Backoff: bmdb.BackoffPolicy{Initial: time.Second}, Rungs: []ladder.Rung{ladder.Reboot, ladder.Power}, SSHUser: "admin",
-		ConnectTimeout: 3 * time.Second, PowerTimeout: 4 * time.Second}
+		ConnectTimeout: 3 * time.Second, PowerTimeout: 4 * time.Second, BootTimeout: 5 * time.Second, BootPoll: 6 * time.Second}
 	if rc, err = NewRecoverer(rset, nil, rebootable{named{name: "lab"}}, nil, nil); err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/internal/metricstest"
+	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/provider/sim"
@@ -150,4 +151,56 @@ func waitQuarantined(t *testing.T, f *fleet, machine uuid.UUID) bmdb.Backoff {
 		return b.Quarantined, nil
 	})
 	return b
+}
+
+// TestLadderClimbsPastAMachineThatStaysDown: a reboot that is carried out
+// but after which the machine never answers SSH again (it fails to boot)
+// is a failed rung once BootTimeout has passed, and the ladder climbs to
+// the power cycle in the same work item; the initializer meets a booted
+// machine.
+func TestLadderClimbsPastAMachineThatStaysDown(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 1, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond,
+			BMC: &sim.BMCConfig{Fraction: 1, Transition: 100 * time.Millisecond,
+				Power: power.Config{MinInterval: 20 * time.Millisecond, Settle: 2 * time.Second}}},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: 8 * time.Second, FirstHeartbeatTimeout: time.Minute,
+			MaxRebootsPerWindow: 100, SilentFraction: 1,
+			Rungs:       []ladder.Rung{ladder.Reboot, ladder.Power},
+			BootTimeout: 2 * time.Second, BootPoll: 100 * time.Millisecond,
+		},
+		interval:  200 * time.Millisecond,
+		agentRung: true,
+	})
+	f.waitHealthy(1, 3*time.Minute)
+	const id = "sim-000001"
+	m, err := f.db.MachineByProviderID(t.Context(), f.sim.Name(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.sim.SetRebootFault(id, sim.RebootStaysDown); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.sim.Silence(id); err != nil {
+		t.Fatal(err)
+	}
+	var cause string
+	bmdbtest.WaitFor(t, 2*time.Minute, "recovery finished", func(ctx context.Context) (bool, error) {
+		h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: m, Process: bmdb.ProcessRecovery})
+		if err != nil || len(h) == 0 {
+			return false, err
+		}
+		cause = h[len(h)-1].Cause
+		return h[len(h)-1].Event == bmdb.EventFinished, nil
+	})
+	want := "recovery rung power (power cycle through the BMC) done; waiting for a heartbeat; below it: reboot (in-band reboot): failed: " +
+		"in-band reboot carried out, but the machine did not answer SSH within 2s"
+	if !strings.HasPrefix(cause, want) {
+		t.Errorf("recovery: %q, want it to start with %q", cause, want)
+	}
+	f.waitHealthy(1, 2*time.Minute)
+	if _, n := f.sim.Rebooted(id); n != 2 {
+		t.Errorf("%d reboots counted, want 2 (the in-band one and the power-on)", n)
+	}
 }

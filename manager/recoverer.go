@@ -68,6 +68,14 @@ type RecovererConfig struct {
 	// PowerTimeout bounds the Power rung's cycle through the BMC, paced
 	// calls and transitions included; default 5m.
 	PowerTimeout time.Duration
+	// BootTimeout bounds the wait, after a Reboot or Power rung, for the
+	// machine to answer SSH again before it is handed to the initializer
+	// (whose takeover would otherwise fail against a booting machine and
+	// back off for minutes); a machine that does not come back within it
+	// makes the ladder climb on. Only with SSHKey; default 10m.
+	BootTimeout time.Duration
+	// BootPoll is how often the boot wait dials the machine; default 2s.
+	BootPoll time.Duration
 }
 
 // Validate reports the first problem with the configuration. It changes nothing.
@@ -76,7 +84,8 @@ func (c RecovererConfig) Validate() error {
 	if err := c.Loop.Validate("recoverer"); err != nil {
 		return err
 	}
-	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 || c.ConnectTimeout < 0 || c.PowerTimeout < 0 {
+	if c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0 || c.Window < 0 || c.RebootTimeout < 0 || c.ConnectTimeout < 0 ||
+		c.PowerTimeout < 0 || c.BootTimeout < 0 || c.BootPoll < 0 {
 		return errors.New("recoverer: durations must be >= 0 (0 = default)")
 	}
 	if c.Window > bmdb.MaxRecoveryWindow {
@@ -140,6 +149,8 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 	cfg.MaxRebootsWithoutHeartbeat = cmp.Or(cfg.MaxRebootsWithoutHeartbeat, 3)
 	cfg.ConnectTimeout = cmp.Or(cfg.ConnectTimeout, 30*time.Second)
 	cfg.PowerTimeout = cmp.Or(cfg.PowerTimeout, 5*time.Minute)
+	cfg.BootTimeout = cmp.Or(cfg.BootTimeout, 10*time.Minute)
+	cfg.BootPoll = cmp.Or(cfg.BootPoll, 2*time.Second)
 	cfg.SSHUser = cmp.Or(cfg.SSHUser, "root")
 	if cfg.Rungs == nil {
 		cfg.Rungs = ladder.Default
@@ -262,6 +273,9 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 		t.Log.InfoContext(ctx, "recovering silent machine", "rung", a.Rung, "provider_id", t.Machine.ProviderID,
 			"restarts_in_window", a.InWindow, "rungs_without_heartbeat", a.Streak)
 		err = rc.take(ctx, t, a.Rung)
+		if err == nil {
+			err = rc.waitBooted(ctx, t, a.Rung)
+		}
 		result := "done"
 		if err != nil {
 			result = "failed"
@@ -377,19 +391,61 @@ func (rc *Recoverer) take(ctx context.Context, t *Task, r ladder.Rung) error {
 // that does not answer needs a restart, and handing it over would only
 // stall it in the initializer's backoff.
 func (rc *Recoverer) checkSSH(ctx context.Context, t *Task) error {
+	if err := rc.dialSSH(ctx, t); err != nil {
+		return fmt.Errorf("the machine does not answer SSH: %w: %w", err, provider.ErrNotReached)
+	}
+	return nil
+}
+
+// dialSSH logs in to the machine as the initializer would, within
+// ConnectTimeout, and logs out.
+func (rc *Recoverer) dialSSH(ctx context.Context, t *Task) error {
 	target, trust, err := machineTarget(ctx, rc.db, rc.p, t.Machine.MachineID, t.Machine.ProviderID, rc.cfg.SSHUser, rc.cfg.SSHKey)
 	if err != nil {
-		return fmt.Errorf("%w: %w", err, provider.ErrNotReached)
+		return err
 	}
 	trust.apply(&target)
 	dctx, cancel := context.WithTimeout(ctx, rc.cfg.ConnectTimeout)
 	defer cancel()
 	client, err := sshx.Dial(dctx, target)
 	if err != nil {
-		return fmt.Errorf("the machine does not answer SSH: %w: %w", trust.explain(ctx, rc.db, err), provider.ErrNotReached)
+		return trust.explain(ctx, rc.db, err)
 	}
 	client.Close()
 	return nil
+}
+
+// waitBooted waits, after a rung that restarted the machine in place
+// (Reboot, Power), until the machine answers SSH again, polling every
+// BootPoll for at most BootTimeout, so that the initializer's takeover
+// meets a booted machine. An answer with another host key counts (the
+// initializer reports it). A machine that does not come back is an error
+// that reached it: the ladder climbs on. Without an SSH key, or after
+// other rungs (a reinstall changes the host key), it does not wait.
+func (rc *Recoverer) waitBooted(ctx context.Context, t *Task, r ladder.Rung) error {
+	if rc.cfg.SSHKey == nil || (r != ladder.Reboot && r != ladder.Power) {
+		return nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, rc.cfg.BootTimeout)
+	defer cancel()
+	tick := time.NewTicker(rc.cfg.BootPoll)
+	defer tick.Stop()
+	var last error
+	for {
+		err := rc.dialSSH(wctx, t)
+		if err == nil || errors.Is(err, sshx.ErrHostKeyMismatch) {
+			return nil
+		}
+		last = err
+		select {
+		case <-wctx.Done():
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("%s carried out, but the machine did not answer SSH within %s: %w", r.Describe(), rc.cfg.BootTimeout, last)
+		case <-tick.C:
+		}
+	}
 }
 
 // powerCycle is the Power rung: a cycle through the machine's BMC, whose

@@ -583,3 +583,56 @@ func status(t *testing.T, f *sim.Fleet, id string) provider.Status {
 	}
 	return m.(provider.Described).Status()
 }
+
+// TestRebootStaysDown: a reboot with RebootStaysDown is carried out (nil,
+// counted) and the machine never comes back by itself: no SSH, further
+// in-band reboots cannot reach it, until a power cycle through its BMC
+// boots it.
+func TestRebootStaysDown(t *testing.T) {
+	t.Parallel()
+	cb := newCallback(t, nil)
+	f := startFleet(t, sim.Config{Machines: 1, RebootLatency: 10 * time.Millisecond, BMC: &sim.BMCConfig{Fraction: 1,
+		Transition: 50 * time.Millisecond, Power: power.Config{MinInterval: 20 * time.Millisecond, Settle: 10 * time.Second}}})
+	id := slotID(1)
+	create(t, f, id)
+	pipeTakeover(t, f, id, cb, newMachineID())
+	if err := f.SetRebootFault(id, sim.RebootStaysDown); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.RebootMachine(testCtx(t), id); err != nil {
+		t.Fatalf("RebootMachine: %v, want the reboot carried out", err)
+	}
+	if _, n := f.Rebooted(id); n != 1 {
+		t.Errorf("%d reboots counted, want 1", n)
+	}
+	if _, _, err := dial(t, f, id); !errors.Is(err, sim.ErrUnreachable) {
+		t.Errorf("dialing the machine that stayed down: %v, want ErrUnreachable", err)
+	}
+	if err := f.RebootMachine(testCtx(t), id); !errors.Is(err, provider.ErrNotReached) {
+		t.Errorf("in-band reboot of the machine that stayed down: %v, want ErrNotReached", err)
+	}
+	if err := f.SetRebootFault(id, sim.RebootWorks); err != nil {
+		t.Fatal(err)
+	}
+	bmc, err := f.BMC(testCtx(t), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bmc.Cycle(testCtx(t)); err != nil {
+		t.Fatalf("Cycle: %v", err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, _, err := dial(t, f, id)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the machine does not answer SSH after the power cycle: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := f.SetRebootFault(id, sim.RebootStaysDown+1); err == nil {
+		t.Error("SetRebootFault accepted an unknown fault")
+	}
+}

@@ -59,6 +59,12 @@ const (
 	// its session stays open until the client closes it. Counted in
 	// Stats.RebootsHung.
 	RebootHangs
+	// RebootStaysDown: a reboot is carried out (it returns nil and counts
+	// as one), and the machine never comes up again: it hangs on the way,
+	// without SSH or agent, as a machine that fails to boot, until a power
+	// cycle through its BMC (or Kill, Revive, release) ends that system.
+	// Counted in Stats.Reboots.
+	RebootStaysDown
 )
 
 // String names the fault as its constant does.
@@ -70,6 +76,8 @@ func (r RebootFault) String() string {
 		return "RebootFails"
 	case RebootHangs:
 		return "RebootHangs"
+	case RebootStaysDown:
+		return "RebootStaysDown"
 	}
 	return fmt.Sprintf("RebootFault(%d)", int(r))
 }
@@ -79,7 +87,7 @@ func (r RebootFault) String() string {
 // ReinstallMachine, or Config.RebootCommand over SSH). It belongs to the
 // machine and lasts until it is set again.
 func (f *Fleet) SetRebootFault(id string, fault RebootFault) error {
-	if fault < RebootWorks || fault > RebootHangs {
+	if fault < RebootWorks || fault > RebootStaysDown {
 		return fmt.Errorf("sim: setting the reboot fault of %s: unknown fault %v", id, fault)
 	}
 	i, err := f.lookup(id)

@@ -548,6 +548,12 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 		return err
 	}
 	at, closeAfter := f.rebootLocked(i, reinstall)
+	if outcome == RebootStaysDown {
+		// The system that ends here takes its hang with it; the one
+		// that boots hangs.
+		s.hung = true
+		f.stats.Hung++
+	}
 	f.mu.Unlock()
 	closeAfter()
 	f.rebooted(ctx, i, at, reinstall)
