@@ -39,6 +39,7 @@ var figures = []figure{
 	{"P5", benchMemory},
 	{"P6", benchSilenceToReboot},
 	{"P7", benchUIRender},
+	{"P8", benchBMCRecovery},
 }
 
 // env is what every figure gets: the shared server and a way to get a fresh

@@ -23,6 +23,23 @@ import (
 // devDatabase is the database `shepherd dev` keeps the BMDB in.
 const devDatabase = "shepherd"
 
+// devSimYAML is the default simulator configuration of `shepherd dev`
+// (--sim replaces all of it). Machines answer in tens of milliseconds and
+// reboot in 2 s, so the fleet's life shows in seconds. Every machine has a
+// BMC, so that a machine that falls silent (powered off from its web page
+// with --web-actions, say) climbs the whole recovery ladder: the agent and
+// the in-band reboot fail, the power cycle brings it back. The BMCs pace
+// calls 5 s apart and take 5 s per transition, as real ones do, and a few
+// misbehave as real ones do, so that the ladder's history and the machine
+// pages show it: a tenth answer busy for 8 s from their first call (the
+// controller's third attempt gets through), a tenth drop their first off
+// and their first on (the cycle sends them again once bmc_settle passed
+// without the state changing; 20 s rather than the default minute, so a
+// cycle with both dropped takes about 70 s, not 150 s). The faults are
+// picked by the fleet's seed, so the same machines misbehave every run.
+const devSimYAML = "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\n" +
+	"bmc_fraction: 1\nbmc_busy_fraction: 0.1\nbmc_drop_fraction: 0.1\nbmc_settle: 20s\n"
+
 func newDevCommand() *cobra.Command {
 	var (
 		logs     logFlags
@@ -121,7 +138,7 @@ func newDevCommand() *cobra.Command {
 	fl.StringVar(&dataDir, "data-dir", filepath.Join(os.TempDir(), fmt.Sprintf("shepherd-dev-%d", os.Getuid())), "directory kept between runs: PostgreSQL, keys, CA")
 	fl.IntVar(&machines, "machines", 50, "size of the simulated fleet")
 	fl.StringVar(&kind, "provider", "sim", "sim, or equinix: the Equinix Metal provider against an in-process fake Metal API")
-	fl.StringVar(&simYAML, "sim", "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\n", "more simulator configuration (YAML)")
+	fl.StringVar(&simYAML, "sim", devSimYAML, "more simulator configuration (YAML)")
 	bindStackFlags(fl, &cfg)
 	// Development defaults: a local server, and a fleet that shows its life
 	// (takeover, silence, recovery) in seconds rather than minutes.
