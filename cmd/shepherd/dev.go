@@ -26,9 +26,11 @@ const devDatabase = "shepherd"
 // devSimYAML is the default simulator configuration of `shepherd dev`
 // (--sim replaces all of it). Machines answer in tens of milliseconds and
 // reboot in 2 s, so the fleet's life shows in seconds. Every machine has a
-// BMC, so that a machine that falls silent (powered off from its web page
-// with --web-actions, say) climbs the whole recovery ladder: the agent and
-// the in-band reboot fail, the power cycle brings it back. The BMCs pace
+// BMC, and every 2 minutes one running machine hangs whole (hang_every: its
+// agent falls silent and its SSH dies), so that the recovery ladder keeps
+// climbing: the agent and the in-band reboot fail, the power cycle brings it
+// back. (A machine powered off from its web page with --web-actions is
+// silent on purpose: its recovery is held until it is powered on.) The BMCs pace
 // calls 5 s apart and take 5 s per transition, as real ones do, and a few
 // misbehave as real ones do, so that the ladder's history and the machine
 // pages show it: a tenth answer busy for 8 s from their first call (the
@@ -37,7 +39,7 @@ const devDatabase = "shepherd"
 // without the state changing; 20 s rather than the default minute, so a
 // cycle with both dropped takes about 70 s, not 150 s). The faults are
 // picked by the fleet's seed, so the same machines misbehave every run.
-const devSimYAML = "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\n" +
+const devSimYAML = "ssh_latency: 20ms\ntakeover_latency: 300ms\nreboot_latency: 2s\nhang_every: 2m\n" +
 	"bmc_fraction: 1\nbmc_busy_fraction: 0.1\nbmc_drop_fraction: 0.1\nbmc_settle: 20s\n"
 
 func newDevCommand() *cobra.Command {

@@ -373,6 +373,9 @@ func (f *Fleet) Run(ctx context.Context) error {
 			}
 		})
 	}
+	if f.cfg.HangEvery > 0 {
+		workers.Go(func() { f.hangEvery(ctx, f.cfg.HangEvery) })
+	}
 	f.schedule(ctx, work)
 	workers.Wait()
 	f.shutdown()

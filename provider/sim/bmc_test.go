@@ -636,3 +636,38 @@ func TestRebootStaysDown(t *testing.T) {
 		t.Error("SetRebootFault accepted an unknown fault")
 	}
 }
+
+// TestHangEvery: a fleet with HangEvery hangs its running machines one at
+// a time, each only once, and never a machine that runs no agent.
+func TestHangEvery(t *testing.T) {
+	t.Parallel()
+	if _, err := sim.New(sim.Config{HangEvery: -time.Second}); err == nil || !strings.Contains(err.Error(), "HangEvery must be >= 0") {
+		t.Errorf("sim.New with a negative HangEvery: %v", err)
+	}
+	cb := newCallback(t, nil)
+	f := startFleet(t, sim.Config{Machines: 3, HangEvery: 50 * time.Millisecond})
+	ids := []string{slotID(1), slotID(2)}
+	for _, id := range ids {
+		create(t, f, id)
+		pipeTakeover(t, f, id, cb, newMachineID())
+	}
+	create(t, f, slotID(3)) // provisioned, no agent: nothing to hang
+	deadline := time.Now().Add(30 * time.Second)
+	for f.Stats().Hung < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d machines hung after 30s, want 2", f.Stats().Hung)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, id := range ids {
+		if _, _, err := dial(t, f, id); !errors.Is(err, sim.ErrUnreachable) {
+			t.Errorf("dialing %s: %v, want ErrUnreachable (hung)", id, err)
+		}
+	}
+	if _, _, err := dial(t, f, slotID(3)); err != nil {
+		t.Errorf("the machine without an agent was hung: %v", err)
+	}
+	if n := f.Stats().Hung; n != 2 {
+		t.Errorf("%d hangs, want each running machine hung once", n)
+	}
+}

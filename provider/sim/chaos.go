@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"time"
@@ -251,5 +252,39 @@ func (f *Fleet) Agent(id string) (machineID string, alive bool) {
 func (f *Fleet) observeRebooted(i int32, at time.Duration) {
 	if o := f.cfg.Observer; o != nil {
 		o.Rebooted(f.id(i), f.at(at))
+	}
+}
+
+// hangEvery hangs one running machine every d until ctx ends
+// (Config.HangEvery): a machine of ours with an agent that heartbeats, not
+// killed, off or hung already, picked by the fleet's random source.
+func (f *Fleet) hangEvery(ctx context.Context, d time.Duration) {
+	tick := time.NewTicker(d)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		f.mu.Lock()
+		var running []int32
+		for i := range f.slots {
+			s := &f.slots[i]
+			if s.used && !s.killed && !s.off && !s.hung && s.agent != nil && !s.agent.silenced {
+				running = append(running, int32(i))
+			}
+		}
+		var id string
+		if len(running) > 0 {
+			id = f.id(running[f.rng.IntN(len(running))])
+		}
+		f.mu.Unlock()
+		if id == "" {
+			continue
+		}
+		if err := f.Hang(id); err != nil {
+			f.log.WarnContext(ctx, "hanging a machine (hang_every)", "provider_id", id, "err", err)
+		}
 	}
 }

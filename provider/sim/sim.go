@@ -91,6 +91,10 @@ type Config struct {
 	RebootLatency time.Duration
 	// InstallLatency is how long a simulated OS installation takes.
 	InstallLatency time.Duration
+	// HangEvery, if set, hangs one running machine (picked by the seed;
+	// see Hang) every HangEvery while the fleet runs, so that a
+	// development fleet keeps climbing the recovery ladder to its BMCs.
+	HangEvery time.Duration
 	// TakeoverFailureRate is the share (0..1) of takeovers that answer with
 	// a TakeoverError although their input was valid.
 	TakeoverFailureRate float64
@@ -145,6 +149,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("sim: RebootLatency must be >= 0, got %s", c.RebootLatency)
 	case c.InstallLatency < 0:
 		return fmt.Errorf("sim: InstallLatency must be >= 0, got %s", c.InstallLatency)
+	case c.HangEvery < 0:
+		return fmt.Errorf("sim: HangEvery must be >= 0 (0 = never), got %s", c.HangEvery)
 	case c.Connections < 0:
 		return fmt.Errorf("sim: Connections must be >= 0 (0 = default), got %d", c.Connections)
 	case c.HeartbeatConcurrency < 0:
@@ -811,6 +817,7 @@ type yamlConfig struct {
 	TakeoverLatency      time.Duration `yaml:"takeover_latency"`
 	RebootLatency        time.Duration `yaml:"reboot_latency"`
 	InstallLatency       time.Duration `yaml:"install_latency"`
+	HangEvery            time.Duration `yaml:"hang_every"`
 	TakeoverFailureRate  float64       `yaml:"takeover_failure_rate"`
 	RebootFailureRate    float64       `yaml:"reboot_failure_rate"`
 	SSHFailureRate       float64       `yaml:"ssh_failure_rate"`
@@ -840,6 +847,7 @@ func ParseConfig(data []byte) (Config, error) {
 		TakeoverLatency:      y.TakeoverLatency,
 		RebootLatency:        y.RebootLatency,
 		InstallLatency:       y.InstallLatency,
+		HangEvery:            y.HangEvery,
 		TakeoverFailureRate:  y.TakeoverFailureRate,
 		RebootFailureRate:    y.RebootFailureRate,
 		SSHFailureRate:       y.SSHFailureRate,

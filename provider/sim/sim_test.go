@@ -97,6 +97,7 @@ ssh_latency: 10ms
 takeover_latency: 490ms
 reboot_latency: 2s
 install_latency: 1m
+hang_every: 30s
 takeover_failure_rate: 0.1
 reboot_failure_rate: 0.2
 ssh_failure_rate: 0.05
@@ -111,7 +112,7 @@ reboot_command: ipmitool power cycle
 	}
 	want := sim.Config{
 		Name: "lab", Machines: 1000, SSHLatency: 10 * time.Millisecond, TakeoverLatency: 490 * time.Millisecond,
-		RebootLatency: 2 * time.Second, InstallLatency: time.Minute, TakeoverFailureRate: 0.1, RebootFailureRate: 0.2,
+		RebootLatency: 2 * time.Second, InstallLatency: time.Minute, HangEvery: 30 * time.Second, TakeoverFailureRate: 0.1, RebootFailureRate: 0.2,
 		SSHFailureRate: 0.05, SharedAgentKey: true, Connections: 8, HeartbeatConcurrency: 32, Seed: 42,
 		RebootCommand: "ipmitool power cycle",
 	}
