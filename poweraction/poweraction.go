@@ -277,12 +277,21 @@ func (j *Job) Run(ctx context.Context) (Result, error) {
 	// A machine an operator switched off is silent on purpose: its
 	// Recovery is held, or the recovery ladder would power it back on,
 	// until an operator powers it on again.
+	// A machine that was off, or was power-cycled, has lost its agent:
+	// its agent tags are cleared, so that the initializer takes it over
+	// once it has booted, and the recovery ladder does not take the
+	// booting machine for a silent one and cycle it again.
 	recovery := func(ctx context.Context, tx *bmdb.Tx) error {
 		if a == Off {
 			return tx.HoldRecoveryPoweredOff(ctx, j.m.ID, j.sess.ID(), "by "+j.req.By)
 		}
-		_, err := tx.ReleaseRecoveryPowerOffHold(ctx, j.m.ID, j.sess.ID(), fmt.Sprintf("power %s by %s", a, j.req.By))
-		return err
+		if _, err := tx.ReleaseRecoveryPowerOffHold(ctx, j.m.ID, j.sess.ID(), fmt.Sprintf("power %s by %s", a, j.req.By)); err != nil {
+			return err
+		}
+		if a == Cycle || found == power.Off {
+			return tx.ClearAgent(ctx, j.m.ID)
+		}
+		return nil
 	}
 	if err := j.work.FinishWithCause(ectx, r.Cause, recovery); err != nil {
 		return r, fmt.Errorf("machine %s: %s, but history Finished was not written: %w", j.m.ID, r.Cause, err)

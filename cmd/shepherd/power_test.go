@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -198,6 +199,15 @@ func TestMachinePowerActions(t *testing.T) {
 		{"", []string{"on"}, power.On, "power on: found off, now on", "Recovery Reset power on " + operator},
 		{"y\n", []string{"cycle"}, power.On, "power cycle: found on, now on", ""},
 	} {
+		// The machine's agent, as far as the BMDB knows, before each step:
+		// a step that switches the power on (from off, or by a cycle) ends
+		// it, so that the initializer takes the booted machine over.
+		s := bmdbtest.Session(t, f.db, "initializer", time.Minute)
+		if err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+			return tx.SetAgentStarted(ctx, f.m, make([]byte, 32))
+		}); err != nil {
+			t.Fatal(err)
+		}
 		before := len(f.calls(t))
 		out, err := f.power(t, step.answer, append(step.args, f.m.String())...)
 		if err != nil || !strings.Contains(out, step.cause) {
@@ -213,6 +223,10 @@ func TestMachinePowerActions(t *testing.T) {
 		want = append(want, "Power Started power "+action+" "+operator, "Power Finished "+step.cause)
 		if step.recovery != "" {
 			want = append(want, step.recovery)
+		}
+		_, _, err = f.db.GetAgentStarted(t.Context(), f.m)
+		if cleared := errors.Is(err, bmdb.ErrNotFound); cleared != (action != "off") {
+			t.Errorf("after %v the machine's AgentStarted is cleared: %v (%v), want it cleared by on and cycle only", step.args, cleared, err)
 		}
 		b, err := f.db.GetBackoff(t.Context(), f.m, bmdb.ProcessRecovery)
 		if held := err == nil && b.Quarantined; held != (step.state == power.Off) {
