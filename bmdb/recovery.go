@@ -231,7 +231,7 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 			a.Cause = fmt.Sprintf("%d recovery rungs carried out since %s without a heartbeat in between (%s): the agent starts but never reports "+
 				"(can the machine reach the callback server?) or the machine does not come back; reset the machine's Recovery to try again",
 				a.Streak, a.StreakSince.UTC().Format(time.RFC3339), DescribeRungs(a.Tried))
-			return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: s.id, Cause: a.Cause, MachineID: r.MachineID})
+			return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: uuid.NullUUID{UUID: s.id, Valid: true}, Cause: a.Cause, MachineID: r.MachineID})
 		}
 		next := min(lastDone+1, len(rungs)-1)
 		if above >= 0 {
@@ -328,7 +328,7 @@ func (s *Session) QuarantineRecovery(ctx context.Context, machine uuid.UUID, cau
 		if !held {
 			return ErrSessionExpired
 		}
-		return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: s.id, Cause: cause, MachineID: machine})
+		return q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{SessionID: uuid.NullUUID{UUID: s.id, Valid: true}, Cause: cause, MachineID: machine})
 	})
 	switch {
 	case errors.Is(err, ErrSessionExpired):
@@ -402,7 +402,7 @@ func (tx *Tx) HoldRecoveryPoweredOff(ctx context.Context, machine, session uuid.
 		cause += " (" + detail + ")"
 	}
 	cause += "; recovery resumes when it is powered on through Shepherd or its Recovery is reset"
-	if err := tx.q.RecoveryPowerOffHold(ctx, model.RecoveryPowerOffHoldParams{
+	if err := tx.q.RecoveryQuarantine(ctx, model.RecoveryQuarantineParams{
 		MachineID: machine, SessionID: uuid.NullUUID{UUID: session, Valid: session != uuid.Nil}, Cause: safetext.Clean(cause)}); err != nil {
 		return fmt.Errorf("bmdb: holding the recovery of machine %s: %w", machine, err)
 	}

@@ -126,35 +126,6 @@ func (q *Queries) RecoveryAdmit(ctx context.Context, arg RecoveryAdmitParams) (R
 	return i, err
 }
 
-const recoveryPowerOffHold = `-- name: RecoveryPowerOffHold :exec
-WITH q AS (
-    INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
-    VALUES ($3, 'Recovery', now(), $2, 0, 1, now())
-    ON CONFLICT (machine_id, process) DO UPDATE
-    SET quarantined_at = now(), cause = EXCLUDED.cause, updated_at = now()
-    WHERE b.quarantined_at IS NULL
-    RETURNING b.machine_id
-)
-INSERT INTO work_history (machine_id, process, event, session_id, cause)
-SELECT q.machine_id, 'Recovery', 'Quarantined', $1::uuid, $2
-FROM q
-`
-
-type RecoveryPowerOffHoldParams struct {
-	SessionID uuid.NullUUID
-	Cause     string
-	MachineID uuid.UUID
-}
-
-// RecoveryPowerOffHold quarantines the machine's Recovery with the cause of
-// an operator's power off, and writes history Quarantined, unless Recovery
-// is quarantined already: a machine an operator switched off is silent on
-// purpose, and the recovery ladder would power it back on.
-func (q *Queries) RecoveryPowerOffHold(ctx context.Context, arg RecoveryPowerOffHoldParams) error {
-	_, err := q.db.Exec(ctx, recoveryPowerOffHold, arg.SessionID, arg.Cause, arg.MachineID)
-	return err
-}
-
 const recoveryPowerOffRelease = `-- name: RecoveryPowerOffRelease :execrows
 WITH d AS (
     DELETE FROM work_backoff b
@@ -206,7 +177,7 @@ FROM q
 `
 
 type RecoveryQuarantineParams struct {
-	SessionID uuid.UUID
+	SessionID uuid.NullUUID
 	Cause     string
 	MachineID uuid.UUID
 }
@@ -214,7 +185,9 @@ type RecoveryQuarantineParams struct {
 // RecoveryQuarantine quarantines the machine for Recovery (SPEC §2.5) with
 // the cause, and writes history Quarantined naming the session, unless it is
 // quarantined already. The backoff's interval and attempts stay as they
-// are: the quarantine is not one more failure of the policy.
+// are: the quarantine is not one more failure of the policy. The recoverer
+// quarantines a machine whose ladder is exhausted; an operator's power off
+// holds a machine's recovery with it.
 func (q *Queries) RecoveryQuarantine(ctx context.Context, arg RecoveryQuarantineParams) error {
 	_, err := q.db.Exec(ctx, recoveryQuarantine, arg.SessionID, arg.Cause, arg.MachineID)
 	return err

@@ -88,30 +88,9 @@ WHERE admission_id = @admission_id AND session_id = @session_id::uuid AND NOT fa
 -- RecoveryQuarantine quarantines the machine for Recovery (SPEC §2.5) with
 -- the cause, and writes history Quarantined naming the session, unless it is
 -- quarantined already. The backoff's interval and attempts stay as they
--- are: the quarantine is not one more failure of the policy.
-WITH q AS (
-    INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
-    VALUES (@machine_id, 'Recovery', now(), @cause, 0, 1, now())
-    ON CONFLICT (machine_id, process) DO UPDATE
-    SET quarantined_at = now(), cause = EXCLUDED.cause, updated_at = now()
-    WHERE b.quarantined_at IS NULL
-    RETURNING b.machine_id
-)
-INSERT INTO work_history (machine_id, process, event, session_id, cause)
-SELECT q.machine_id, 'Recovery', 'Quarantined', @session_id::uuid, @cause
-FROM q;
-
--- name: RecoveryAdmissionsDelete :execrows
--- RecoveryAdmissionsDelete deletes admissions older than the retention,
--- which is at least the longest breaker window (bmdb.MaxRecoveryWindow).
-DELETE FROM recovery_admissions
-WHERE admitted_at < now() - interval '1 millisecond' * @retention_ms::bigint;
-
--- name: RecoveryPowerOffHold :exec
--- RecoveryPowerOffHold quarantines the machine's Recovery with the cause of
--- an operator's power off, and writes history Quarantined, unless Recovery
--- is quarantined already: a machine an operator switched off is silent on
--- purpose, and the recovery ladder would power it back on.
+-- are: the quarantine is not one more failure of the policy. The recoverer
+-- quarantines a machine whose ladder is exhausted; an operator's power off
+-- holds a machine's recovery with it.
 WITH q AS (
     INSERT INTO work_backoff AS b (machine_id, process, backoff_until, cause, last_interval_ms, attempts, quarantined_at)
     VALUES (@machine_id, 'Recovery', now(), @cause, 0, 1, now())
@@ -123,6 +102,12 @@ WITH q AS (
 INSERT INTO work_history (machine_id, process, event, session_id, cause)
 SELECT q.machine_id, 'Recovery', 'Quarantined', sqlc.narg(session_id)::uuid, @cause
 FROM q;
+
+-- name: RecoveryAdmissionsDelete :execrows
+-- RecoveryAdmissionsDelete deletes admissions older than the retention,
+-- which is at least the longest breaker window (bmdb.MaxRecoveryWindow).
+DELETE FROM recovery_admissions
+WHERE admitted_at < now() - interval '1 millisecond' * @retention_ms::bigint;
 
 -- name: RecoveryPowerOffRelease :execrows
 -- RecoveryPowerOffRelease ends the quarantine RecoveryPowerOffHold set (its
