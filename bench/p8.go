@@ -207,7 +207,7 @@ func benchBMCRecovery(ctx context.Context, e *env) error {
 	fmt.Fprintf(os.Stderr, "bench: P8 ideal %s\n", why)
 	report("P8", "bmc_recovery_seconds", took.Seconds(), "ideal", ideal.Seconds(), "ratio", took.Seconds()/ideal.Seconds(),
 		"limit", 1.2*ideal.Seconds(), "limit_ratio", took.Seconds()/(1.2*ideal.Seconds()),
-		"ideal_formula", "waves*(ssh+cycle)+boot_left+ssh+takeover",
+		"ideal_formula", "waves*(ssh+cycle+boot_left+ssh)+ssh+takeover",
 		"clock", "all_candidates_to_all_healthy", "hang_to_candidates_s", start.Sub(hung).Seconds(),
 		"machines", p8Machines, "parallelism", p8Parallelism, "rungs", ladder.Join(p8Rungs),
 		"bmc_transition_s", p8Transition.Seconds(), "bmc_min_interval_s", p8MinInterval.Seconds(),
