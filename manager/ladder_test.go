@@ -204,3 +204,37 @@ func TestLadderClimbsPastAMachineThatStaysDown(t *testing.T) {
 		t.Errorf("%d reboots counted, want 2 (the in-band one and the power-on)", n)
 	}
 }
+
+// TestLadderWithoutApplicableRung: a machine none of whose configured rungs
+// it can take (power, and it has no BMC) is quarantined with a cause that
+// says so, and nothing is done to it.
+func TestLadderWithoutApplicableRung(t *testing.T) {
+	t.Parallel()
+	f := startFleet(t, fleetConfig{
+		sim: sim.Config{Machines: 1, TakeoverLatency: 20 * time.Millisecond, RebootLatency: 100 * time.Millisecond},
+		recoverer: manager.RecovererConfig{
+			HeartbeatTimeout: 8 * time.Second, FirstHeartbeatTimeout: time.Minute, MaxRebootsPerWindow: 100, SilentFraction: 1,
+			Rungs: []ladder.Rung{ladder.Power},
+		},
+		interval: 200 * time.Millisecond,
+	})
+	f.waitHealthy(1, 3*time.Minute)
+	const id = "sim-000001"
+	m, err := f.db.MachineByProviderID(t.Context(), f.sim.Name(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.sim.Silence(id); err != nil {
+		t.Fatal(err)
+	}
+	b := waitQuarantined(t, f, m)
+	if !strings.HasPrefix(b.Cause, "no recovery rung applies to the machine") {
+		t.Errorf("quarantine cause %q", b.Cause)
+	}
+	if _, n := f.sim.Rebooted(id); n != 0 {
+		t.Errorf("the machine was rebooted %d times", n)
+	}
+	if n := bmdbtest.Scalar[int64](t, f.db, "SELECT count(*) FROM recovery_admissions"); n != 0 {
+		t.Errorf("%d rungs admitted, want none", n)
+	}
+}
