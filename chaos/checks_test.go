@@ -21,8 +21,11 @@ func (s *soak) checkReboots(ctx context.Context, pool *pgxpool.Pool) (falseReboo
 	for _, id := range s.simIDs {
 		truth[id] = s.truth.Machine(id)
 	}
+	// Every rung of the recovery ladder counts for I2 (nothing is done to a
+	// machine whose agent is alive); only those that restart the machine
+	// (all but agent) can explain a reboot the simulator saw.
 	rows, err := pool.Query(ctx, `
-		SELECT p.provider_id, a.admitted_at
+		SELECT p.provider_id, a.admitted_at, a.rung
 		FROM recovery_admissions a JOIN machine_provided p USING (machine_id)
 		WHERE a.reached AND p.provider = $1 ORDER BY a.admitted_at`, providerName)
 	if err != nil {
@@ -30,13 +33,15 @@ func (s *soak) checkReboots(ctx context.Context, pool *pgxpool.Pool) (falseReboo
 	}
 	admitted := map[string]int{}
 	for rows.Next() {
-		var id string
+		var id, rung string
 		var at time.Time
-		if err := rows.Scan(&id, &at); err != nil {
+		if err := rows.Scan(&id, &at, &rung); err != nil {
 			rows.Close()
 			return []string{err.Error()}, nil, nil
 		}
-		admitted[id]++
+		if rung != "agent" {
+			admitted[id]++
+		}
 		if !strings.HasPrefix(id, "sim-") {
 			continue
 		}
@@ -59,14 +64,14 @@ func (s *soak) checkReboots(ctx context.Context, pool *pgxpool.Pool) (falseReboo
 }
 
 // checkBudget finds windows with more reboots admitted than the budget
-// (I4), counting as the circuit breaker does: every admission that reached
-// its machine.
+// (I4), counting as the circuit breaker does: every admission of a rung
+// that restarts the machine (all but agent) that reached its machine.
 func (s *soak) checkBudget(ctx context.Context, pool *pgxpool.Pool) []string {
 	rows, err := pool.Query(ctx, `
 		SELECT a.admitted_at, (SELECT count(*) FROM recovery_admissions b
-		                       WHERE b.provider = a.provider AND b.reached
+		                       WHERE b.provider = a.provider AND b.reached AND b.rung <> 'agent'
 		                         AND b.admitted_at > a.admitted_at - interval '1 millisecond' * $2 AND b.admitted_at <= a.admitted_at)
-		FROM recovery_admissions a WHERE a.provider = $1 AND a.reached`, providerName, rebootWindow.Milliseconds())
+		FROM recovery_admissions a WHERE a.provider = $1 AND a.reached AND a.rung <> 'agent'`, providerName, rebootWindow.Milliseconds())
 	if err != nil {
 		return []string{err.Error()}
 	}
