@@ -69,7 +69,11 @@ func TestEquinixLifecycle(t *testing.T) {
 		"--agent", filepath.Join(binaries(t), "shepherd-agent"), "--agent-dir", filepath.Join(agents, "{provider_id}"),
 		"--server-listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--heartbeat-interval", "1s",
 		"--heartbeat-timeout", "5s", "--first-heartbeat-timeout", "60s", "--silent-fraction", "1",
-		"--provisioner-period", "500ms", "--log-level", "debug")
+		"--provisioner-period", "500ms", "--log-level", "debug",
+		// This test is about the reboot through the Metal API; with the
+		// default ladder the agent rung would restart the dead agent
+		// without one (TestLadderReachesTheBMC climbs the ladder).
+		"--recovery-rungs", "reboot")
 
 	waitStates(t, db, "equinix", 3*time.Minute, "the device Healthy", func(st map[bmdb.MachineState]int64) bool { return st[bmdb.StateHealthy] == 1 })
 	devices := fake.Devices("lab")
