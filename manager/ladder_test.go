@@ -231,6 +231,18 @@ func TestLadderWithoutApplicableRung(t *testing.T) {
 	if !strings.HasPrefix(b.Cause, "no recovery rung applies to the machine") {
 		t.Errorf("quarantine cause %q", b.Cause)
 	}
+	// The work fails with the cause; it does not finish as if recovered.
+	bmdbtest.WaitFor(t, time.Minute, "the recovery work ended", func(ctx context.Context) (bool, error) {
+		h, err := f.db.History(ctx, bmdb.HistoryFilter{MachineID: m, Process: bmdb.ProcessRecovery})
+		if err != nil || len(h) == 0 {
+			return false, err
+		}
+		last := h[len(h)-1]
+		if last.Event == bmdb.EventFinished {
+			t.Fatalf("recovery of a machine no rung applies to ended Finished: %+v", h)
+		}
+		return last.Event == bmdb.EventFailed && strings.HasPrefix(last.Cause, "no recovery rung applies"), nil
+	})
 	if _, n := f.sim.Rebooted(id); n != 0 {
 		t.Errorf("the machine was rebooted %d times", n)
 	}
