@@ -185,7 +185,13 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 		if err := limiter.Wait(ctx); err != nil {
 			return
 		}
-		w, err := s.Work(ctx, r.loop.Process, r.loop.Candidates())
+		w, err := r.claim(ctx, s)
+		if err == nil && ctx.Err() != nil {
+			// Stopping while the claim committed: end what was claimed
+			// rather than leave it to the session's close.
+			r.end(ctx, s, w, log, ending{kind: endCancel})
+			return
+		}
 		switch {
 		case errors.Is(err, bmdb.ErrNothingToDo):
 			r.metrics.claims.WithLabelValues("nothing_to_do").Inc()
@@ -205,6 +211,18 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 		r.metrics.claims.WithLabelValues("claimed").Inc()
 		r.process(ctx, s, w, log.With("machine_id", w.MachineID.String(), "process", string(r.loop.Process)))
 	}
+}
+
+// claim claims the next candidate. The claim is not cut short when the
+// worker stops: a claim abandoned mid-statement may still commit on the
+// server after the session's close, and then holds its machine for a
+// closed session until a later claim expires it. It runs to its answer,
+// for at most one lease (a lost session's claim fails by itself: the claim
+// verifies the session; an unreachable database runs into the lease).
+func (r *Runner) claim(ctx context.Context, s *bmdb.Session) (*bmdb.Work, error) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Lease)
+	defer cancel()
+	return s.Work(cctx, r.loop.Process, r.loop.Candidates())
 }
 
 // process runs the loop's Do on one claimed machine, bounded by WorkTimeout,
