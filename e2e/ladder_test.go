@@ -84,30 +84,16 @@ func TestLadderReachesTheBMC(t *testing.T) {
       password_file: %s
 `, id, m.Addr.Addr(), m.Addr.Port(), m.User, hostKey, reboot, b.Addr.Addr(), b.Addr.Port(), b.Username, pw)
 	}
-	invPath, cfgPath := filepath.Join(dir, "inventory.yaml"), filepath.Join(dir, "static.yaml")
-	if err := os.WriteFile(invPath, []byte(inv.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
 	// BMC calls 200ms apart (SPEC's 5s default would only slow the test;
 	// ipmi_sim takes it), a command re-sent after 5s without effect, a
 	// call that gets no answer for 5s given up (ipmi_sim answers in
 	// milliseconds; the rest is for a loaded machine).
-	if err := os.WriteFile(cfgPath, []byte("inventory: "+invPath+"\nname: lab\nbmc_min_interval: 200ms\nbmc_settle: 5s\nbmc_call_timeout: 5s\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	startShepherd(t, "run", "--components", "all", "--database-url", db.URL, "--data-dir", dataDir,
-		"--provider", "static", "--provider-config", cfgPath,
-		"--agent", filepath.Join(binaries(t), "shepherd-agent"), "--agent-dir", filepath.Join(agents, "{provider_id}"),
-		"--server-listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--heartbeat-interval", "1s",
+	runStatic(t, db, dir, inv.String(), "bmc_min_interval: 200ms\nbmc_settle: 5s\nbmc_call_timeout: 5s\n",
 		// Three of four machines go silent at once, and two of them
 		// need restarts: the circuit breaker, tested elsewhere, must not
 		// hold the ladder back here.
-		"--heartbeat-timeout", "5s", "--first-heartbeat-timeout", "60s", "--silent-fraction", "1", "--max-reboots-per-window", "10",
-		"--provisioner-period", "500ms", "--ssh-exec-timeout", "2m", "--ssh-connect-timeout", "10s", "--log-level", "info",
-		"--recovery-rungs", ladder.Join(ladder.Default),
-		// See TestSSHEndToEnd: a machine just powered on may refuse the
-		// first takeover on a loaded machine; retry within seconds.
-		"--initializer-backoff", "2s,10s,1.5,20")
+		"--silent-fraction", "1", "--max-reboots-per-window", "10",
+		"--ssh-connect-timeout", "10s", "--recovery-rungs", ladder.Join(ladder.Default))
 
 	waitStates(t, db, "lab", 3*time.Minute, "every machine Healthy", func(st map[bmdb.MachineState]int64) bool {
 		return st[bmdb.StateHealthy] == 4

@@ -62,24 +62,7 @@ func runSSHEndToEnd(t *testing.T, kind sshtest.Kind) {
 		fmt.Fprintf(&inv, "  - id: %s\n    address: %s\n    port: %d\n    ssh_user: %s\n    reboot_command: %q\n",
 			id, h.Addr.Addr(), h.Addr.Port(), h.User, reboot)
 	}
-	invPath, cfgPath := filepath.Join(dir, "inventory.yaml"), filepath.Join(dir, "static.yaml")
-	if err := os.WriteFile(invPath, []byte(inv.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(cfgPath, []byte("inventory: "+invPath+"\nname: lab\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	startShepherd(t, "run", "--components", "all", "--database-url", db.URL, "--data-dir", dataDir,
-		"--provider", "static", "--provider-config", cfgPath,
-		"--agent", filepath.Join(binaries(t), "shepherd-agent"), "--agent-dir", filepath.Join(agents, "{provider_id}"),
-		"--server-listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--heartbeat-interval", "1s",
-		"--heartbeat-timeout", "5s", "--first-heartbeat-timeout", "60s", "--silent-fraction", "0.5",
-		"--provisioner-period", "500ms", "--ssh-exec-timeout", "2m", "--log-level", "info",
-		// A rebooted sshd can refuse the first takeover after a reboot on a
-		// loaded machine; SPEC's 5-minute wait would outlast the test's
-		// 3-minute bounds (seen in a run at load 25), so failures retry
-		// within seconds. The quarantine after 20 failures stays.
-		"--initializer-backoff", "2s,10s,1.5,20")
+	runStatic(t, db, dir, inv.String(), "", "--silent-fraction", "0.5")
 
 	healthy := func(n int64) func(map[bmdb.MachineState]int64) bool {
 		return func(st map[bmdb.MachineState]int64) bool { return st[bmdb.StateHealthy] == n }
@@ -222,4 +205,32 @@ func alive(pid int) bool {
 	s := string(data)
 	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
 	return len(fields) > 0 && fields[0] != "Z"
+}
+
+// runStatic starts `shepherd run` with every component on a static
+// inventory (written to dir with its provider config, config being extra
+// provider config lines), with the data directory dir/data and agents in
+// dir/agents/PROVIDER_ID, heartbeats every second and silence after 5 s;
+// extra flags go last and override.
+func runStatic(t *testing.T, db *bmdbtest.DB, dir, inventory, config string, extra ...string) *process {
+	t.Helper()
+	invPath, cfgPath := filepath.Join(dir, "inventory.yaml"), filepath.Join(dir, "static.yaml")
+	if err := os.WriteFile(invPath, []byte(inventory), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cfgPath, []byte("inventory: "+invPath+"\nname: lab\n"+config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"run", "--components", "all", "--database-url", db.URL, "--data-dir", filepath.Join(dir, "data"),
+		"--provider", "static", "--provider-config", cfgPath,
+		"--agent", filepath.Join(binaries(t), "shepherd-agent"), "--agent-dir", filepath.Join(dir, "agents", "{provider_id}"),
+		"--server-listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--heartbeat-interval", "1s",
+		"--heartbeat-timeout", "5s", "--first-heartbeat-timeout", "60s",
+		"--provisioner-period", "500ms", "--ssh-exec-timeout", "2m", "--log-level", "info",
+		// A rebooted (or powered-on) sshd can refuse the first takeover on
+		// a loaded machine; SPEC's 5-minute wait would outlast the tests'
+		// 3-minute bounds (seen in a run at load 25), so failures retry
+		// within seconds. The quarantine after 20 failures stays.
+		"--initializer-backoff", "2s,10s,1.5,20"}
+	return startShepherd(t, append(args, extra...)...)
 }
