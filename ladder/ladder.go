@@ -65,14 +65,23 @@ func (r Rung) Describe() string {
 // the order given: the ladder always escalates. It refuses an empty list, an
 // unknown name and a name given twice, saying which.
 func Parse(names []string) ([]Rung, error) {
-	if len(names) == 0 {
-		return nil, fmt.Errorf("no recovery rungs given; choose from %s", names0())
+	rungs := make([]Rung, len(names))
+	for i, n := range names {
+		rungs[i] = Rung(strings.TrimSpace(n))
 	}
-	seen := make(map[Rung]bool, len(names))
-	for _, n := range names {
-		r := Rung(strings.TrimSpace(n))
+	return Order(rungs)
+}
+
+// Order checks rungs as Parse checks names (for a ladder set in code) and
+// returns them in the order the ladder climbs.
+func Order(rungs []Rung) ([]Rung, error) {
+	if len(rungs) == 0 {
+		return nil, fmt.Errorf("no recovery rungs given; choose from %s", Join(All))
+	}
+	seen := make(map[Rung]bool, len(rungs))
+	for _, r := range rungs {
 		if !r.Valid() {
-			return nil, fmt.Errorf("unknown recovery rung %q; choose from %s", n, names0())
+			return nil, fmt.Errorf("unknown recovery rung %q; choose from %s", r, Join(All))
 		}
 		if seen[r] {
 			return nil, fmt.Errorf("recovery rung %q given twice", r)
@@ -104,5 +113,3 @@ func Join(rungs []Rung) string {
 	}
 	return strings.Join(s, ",")
 }
-
-func names0() string { return Join(All) }

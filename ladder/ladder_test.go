@@ -55,3 +55,16 @@ func TestRestarts(t *testing.T) {
 		t.Error(`Rung("x").Valid()`)
 	}
 }
+
+func TestOrder(t *testing.T) {
+	got, err := Order([]Rung{Reinstall, Agent})
+	if err != nil || !slices.Equal(got, []Rung{Agent, Reinstall}) {
+		t.Errorf("Order = %v, %v; want agent,reinstall", got, err)
+	}
+	if _, err := Order([]Rung{Power, "warp"}); err == nil || !strings.Contains(err.Error(), `unknown recovery rung "warp"`) {
+		t.Errorf("Order with an unknown rung: %v", err)
+	}
+	if _, err := Order(nil); err == nil {
+		t.Error("Order of no rungs succeeded")
+	}
+}

@@ -101,7 +101,7 @@ func (c RecovererConfig) Validate() error {
 		return fmt.Errorf("recoverer: SilentFraction must be within [0, 1] (0 = default 0.25), got %v", c.SilentFraction)
 	}
 	if c.Rungs != nil {
-		if _, err := ladder.Parse(rungNames(c.Rungs)); err != nil {
+		if _, err := ladder.Order(c.Rungs); err != nil {
 			return fmt.Errorf("recoverer: Rungs: %w", err)
 		}
 	}
@@ -109,14 +109,6 @@ func (c RecovererConfig) Validate() error {
 		return c.Backoff.Validate()
 	}
 	return nil
-}
-
-func rungNames(rungs []ladder.Rung) []string {
-	s := make([]string, len(rungs))
-	for i, r := range rungs {
-		s[i] = string(r)
-	}
-	return s
 }
 
 // Recoverer reboots machines whose agent fell silent, through the provider,
@@ -155,7 +147,7 @@ func NewRecoverer(cfg RecovererConfig, db *bmdb.DB, p provider.Provider, reg pro
 	if cfg.Rungs == nil {
 		cfg.Rungs = ladder.Default
 	} else {
-		cfg.Rungs, _ = ladder.Parse(rungNames(cfg.Rungs)) // validated above: only the order changes
+		cfg.Rungs, _ = ladder.Order(cfg.Rungs) // validated above: only the order changes
 	}
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.RecoveryBackoff()

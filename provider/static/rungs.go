@@ -91,11 +91,7 @@ func readRungs(key string, n *yaml.Node) ([]ladder.Rung, map[ladder.Rung]int, in
 // checkRungs is what readRungs checks, for Config.RecoveryRungs set in
 // code, and returns the rungs in ladder order.
 func checkRungs(rungs []ladder.Rung) ([]ladder.Rung, error) {
-	names := make([]string, len(rungs))
-	for i, r := range rungs {
-		names[i] = string(r)
-	}
-	out, err := ladder.Parse(names)
+	out, err := ladder.Order(rungs)
 	if err != nil {
 		return nil, err
 	}
