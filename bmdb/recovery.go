@@ -204,14 +204,11 @@ func (s *Session) AdmitReboot(ctx context.Context, r RebootRequest) (RebootAdmis
 		} else if err != nil {
 			return fmt.Errorf("reading earlier rungs: %w", err)
 		}
-		rows, err := q.RecoveryStreak(ctx, r.MachineID)
-		if err != nil {
-			return fmt.Errorf("reading the streak: %w", err)
+		if a.Tried, err = recoveryStreak(ctx, q, r.MachineID); err != nil {
+			return err
 		}
 		lastDone := -1
-		for _, row := range rows {
-			t := RungAttempt{Rung: ladder.Rung(row.Rung), Failed: row.Failed, Reached: row.Reached, Result: row.Result, At: row.AdmittedAt}
-			a.Tried = append(a.Tried, t)
+		for _, t := range a.Tried {
 			if !t.Failed {
 				if a.Streak == 0 {
 					a.StreakSince = t.At

@@ -17,6 +17,7 @@ import (
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
+	"github.com/shepherd/shepherd/poweraction"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -453,12 +454,8 @@ func (rc *Recoverer) powerCycle(ctx context.Context, t *Task) error {
 	}
 	pctx, cancel := context.WithTimeout(ctx, rc.cfg.PowerTimeout)
 	defer cancel()
-	found, err := bmc.Cycle(pctx)
-	reading := bmdb.PowerReading{BMC: bmc.Name, State: bmdb.PowerOn}
-	if err != nil {
-		reading = bmdb.PowerReading{BMC: bmc.Name, ErrorClass: power.Class(err), Error: err.Error()}
-	}
-	if rerr := rc.db.RecordPowerState(context.WithoutCancel(ctx), t.Machine.MachineID, reading); rerr != nil {
+	found, err := bmc.Cycle(pctx) // on success the BMC reports on
+	if rerr := rc.db.RecordPowerState(context.WithoutCancel(ctx), t.Machine.MachineID, poweraction.Reading(bmc.Name, power.On, err)); rerr != nil {
 		t.Log.WarnContext(ctx, "recording the power state", "err", rerr)
 	}
 	if err != nil {

@@ -337,10 +337,7 @@ func (j *Job) run(ctx context.Context) (found, now power.State, err error) {
 // record records a look at the machine's power: the state read, or err.
 // A failure to record is a warning: the BMC's answer matters more.
 func (j *Job) record(ctx context.Context, state power.State, err error) {
-	r := bmdb.PowerReading{BMC: j.m.BMC.Name, State: string(state)}
-	if err != nil {
-		r.State, r.ErrorClass, r.Error = "", power.Class(err), err.Error()
-	}
+	r := Reading(j.m.BMC.Name, state, err)
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if rerr := j.db.RecordPowerState(rctx, j.m.ID, r); rerr != nil {
@@ -360,4 +357,13 @@ func (j *Job) warn(err error) {
 	if j.req.Warn != nil {
 		j.req.Warn(err)
 	}
+}
+
+// Reading is what BMC bmc answered as the machine's power state to record
+// (bmdb.RecordPowerState): the state, or err with its class.
+func Reading(bmc string, state power.State, err error) bmdb.PowerReading {
+	if err != nil {
+		return bmdb.PowerReading{BMC: bmc, ErrorClass: power.Class(err), Error: err.Error()}
+	}
+	return bmdb.PowerReading{BMC: bmc, State: string(state)}
 }

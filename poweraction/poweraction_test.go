@@ -1,10 +1,13 @@
 package poweraction_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/power"
 	"github.com/shepherd/shepherd/poweraction"
 )
 
@@ -73,5 +76,15 @@ func TestRequestValidate(t *testing.T) {
 		if err := r.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%s: Validate() = %v, want an error saying %q", name, err, tt.want)
 		}
+	}
+}
+
+func TestReading(t *testing.T) {
+	if r := poweraction.Reading("ipmi://u@bmc:623", power.Off, nil); r != (bmdb.PowerReading{BMC: "ipmi://u@bmc:623", State: "off"}) {
+		t.Errorf("Reading of a state = %+v", r)
+	}
+	err := fmt.Errorf("reading power state: %w", power.ErrAuth)
+	if r := poweraction.Reading("b", power.On, err); r != (bmdb.PowerReading{BMC: "b", ErrorClass: "auth", Error: err.Error()}) {
+		t.Errorf("Reading of an error = %+v, want the class and no state", r)
 	}
 }
