@@ -553,13 +553,7 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 		f.metrics.reboots.WithLabelValues("error").Inc()
 		return err
 	}
-	at, closeAfter := f.rebootLocked(i, reinstall)
-	if outcome == RebootStaysDown {
-		// The system that ends here takes its hang with it; the one
-		// that boots hangs.
-		s.hung = true
-		f.stats.Hung++
-	}
+	at, closeAfter := f.rebootLocked(i, reinstall, outcome)
 	f.mu.Unlock()
 	closeAfter()
 	f.rebooted(ctx, i, at, reinstall)
@@ -567,15 +561,23 @@ func (f *Fleet) reboot(ctx context.Context, id string, reinstall bool) error {
 }
 
 // rebootLocked reboots slot i now, as the provider or the reboot command
-// does: it counts the reboot and ends the running system. f.mu must be
+// does: it counts the reboot and ends the running system; with outcome
+// RebootStaysDown the machine does not come up again. f.mu must be
 // held; it returns when the reboot happened and a func that closes what
 // must be closed once f.mu is released. The caller then calls rebooted.
-func (f *Fleet) rebootLocked(i int32, reinstall bool) (at time.Duration, closeAfter func()) {
+func (f *Fleet) rebootLocked(i int32, reinstall bool, outcome RebootFault) (at time.Duration, closeAfter func()) {
 	now := f.now()
 	if reinstall {
 		f.slots[i].reinstalls++
 	}
-	return now, f.restartLocked(i, now, now+f.cfg.RebootLatency)
+	closeAfter = f.restartLocked(i, now, now+f.cfg.RebootLatency)
+	if outcome == RebootStaysDown {
+		// The system that ended took its hang with it; the one that
+		// boots hangs.
+		f.slots[i].hung = true
+		f.stats.Hung++
+	}
+	return now, closeAfter
 }
 
 // restartLocked is every reboot's core, a BMC's power-on included: at now

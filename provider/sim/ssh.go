@@ -384,11 +384,7 @@ func (f *Fleet) runReboot(ctx context.Context, i int32, boot uint32, ch ssh.Chan
 		_ = ch.Close()
 		return
 	}
-	at, closeAfter := f.rebootLocked(i, false)
-	if outcome == RebootStaysDown {
-		f.slots[i].hung = true // the system that boots hangs
-		f.stats.Hung++
-	}
+	at, closeAfter := f.rebootLocked(i, false, outcome)
 	f.mu.Unlock()
 	// The reboot is counted and observed before the client hears of it,
 	// so that whoever it tells finds it done; then the answer goes out,
