@@ -383,9 +383,9 @@ func (db *DB) DeleteRecoveryAdmissions(ctx context.Context) (int64, error) {
 	return n, nil
 }
 
-// PowerOffHoldCause begins the cause of the quarantine with which an
+// powerOffHoldCause begins the cause of the quarantine with which an
 // operator's power off holds a machine's Recovery (HoldRecoveryPoweredOff).
-const PowerOffHoldCause = "powered off by an operator"
+const powerOffHoldCause = "powered off by an operator"
 
 // HoldRecoveryPoweredOff quarantines machine's Recovery because an operator
 // powered it off (session is the operator's; detail says who, how and
@@ -394,7 +394,7 @@ const PowerOffHoldCause = "powered off by an operator"
 // does nothing when Recovery is quarantined already. The operator's power
 // on (ReleaseRecoveryPowerOffHold) or a Reset of Recovery ends it.
 func (tx *Tx) HoldRecoveryPoweredOff(ctx context.Context, machine, session uuid.UUID, detail string) error {
-	cause := PowerOffHoldCause
+	cause := powerOffHoldCause
 	if detail != "" {
 		cause += " (" + detail + ")"
 	}
@@ -412,7 +412,7 @@ func (tx *Tx) HoldRecoveryPoweredOff(ctx context.Context, machine, session uuid.
 func (tx *Tx) ReleaseRecoveryPowerOffHold(ctx context.Context, machine, session uuid.UUID, cause string) (bool, error) {
 	n, err := tx.q.RecoveryPowerOffRelease(ctx, model.RecoveryPowerOffReleaseParams{
 		MachineID: machine, SessionID: uuid.NullUUID{UUID: session, Valid: session != uuid.Nil},
-		Cause: safetext.Clean(cause), Prefix: PowerOffHoldCause})
+		Cause: safetext.Clean(cause), Prefix: powerOffHoldCause})
 	if err != nil {
 		return false, fmt.Errorf("bmdb: releasing the recovery of machine %s: %w", machine, err)
 	}

@@ -484,3 +484,45 @@ func TestLadderClimbs(t *testing.T) {
 	}
 	r.finish(w)
 }
+
+// TestPowerOffHold: an operator's power off quarantines the machine's
+// Recovery, and only its own hold is released by the power on: a
+// quarantine for another cause stays, and the hold does not replace it.
+func TestPowerOffHold(t *testing.T) {
+	t.Parallel()
+	r := newRecovery(t)
+	held, other := r.silent(), r.silent()
+	r.backoff(other, bmdb.ProcessRecovery, time.Hour, true) // quarantined, cause "test"
+	for _, m := range []uuid.UUID{held, other} {
+		r.tx(func(ctx context.Context, tx *bmdb.Tx) error {
+			return tx.HoldRecoveryPoweredOff(ctx, m, r.s.ID(), "by alice")
+		})
+	}
+	b, err := r.db.GetBackoff(t.Context(), held, bmdb.ProcessRecovery)
+	if err != nil || !b.Quarantined || !strings.HasPrefix(b.Cause, "powered off by an operator (by alice); ") {
+		t.Fatalf("held machine's Recovery backoff: %+v, %v", b, err)
+	}
+	if b, err := r.db.GetBackoff(t.Context(), other, bmdb.ProcessRecovery); err != nil || b.Cause != "test" {
+		t.Errorf("the hold replaced another quarantine: %+v, %v", b, err)
+	}
+	if w, err := r.s.Work(t.Context(), bmdb.ProcessRecovery, r.cands); !errors.Is(err, bmdb.ErrNothingToDo) {
+		t.Errorf("claimed recovery work %+v (%v) while both machines are quarantined", w, err)
+	}
+	for m, want := range map[uuid.UUID]bool{held: true, other: false} {
+		var released bool
+		r.tx(func(ctx context.Context, tx *bmdb.Tx) error {
+			var err error
+			released, err = tx.ReleaseRecoveryPowerOffHold(ctx, m, r.s.ID(), "power on by alice")
+			return err
+		})
+		if released != want {
+			t.Errorf("release of %s: %v, want %v", m, released, want)
+		}
+	}
+	if _, err := r.db.GetBackoff(t.Context(), held, bmdb.ProcessRecovery); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Errorf("the power-off hold stayed after the power on: %v", err)
+	}
+	if b, err := r.db.GetBackoff(t.Context(), other, bmdb.ProcessRecovery); err != nil || !b.Quarantined || b.Cause != "test" {
+		t.Errorf("the power on released another quarantine: %+v, %v", b, err)
+	}
+}

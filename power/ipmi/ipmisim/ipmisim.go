@@ -393,18 +393,10 @@ func (b *BMC) login(ctx context.Context) error {
 }
 
 // Freeze stops ipmi_sim (SIGSTOP) without ending it: a hung BMC, which
-// takes datagrams and never answers. Thaw, or Stop, lets it go on.
+// takes datagrams and never answers, until Stop.
 func (b *BMC) Freeze() error {
 	if err := b.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		return fmt.Errorf("ipmisim: freezing: %w", err)
-	}
-	return nil
-}
-
-// Thaw continues a frozen ipmi_sim (SIGCONT).
-func (b *BMC) Thaw() error {
-	if err := b.cmd.Process.Signal(syscall.SIGCONT); err != nil {
-		return fmt.Errorf("ipmisim: thawing: %w", err)
 	}
 	return nil
 }
