@@ -232,7 +232,8 @@ func (s *Session) lose(ctx context.Context, why string) {
 
 // Close ends the session: it stops renewal (and reconciliation), then in one transaction cancels
 // the session's remaining work (history Canceled) and marks the session
-// closed. It uses a fresh context derived from ctx without its cancellation,
+// closed. A claim of the session still in flight is waited for and then
+// canceled like the rest; one that starts later finds the session closed. It uses a fresh context derived from ctx without its cancellation,
 // because Close typically runs during shutdown when ctx is already done.
 // Closing a lost session only marks it closed: its work is left to expire
 // (history Expired). Close is idempotent.
@@ -244,9 +245,12 @@ func (s *Session) Close(ctx context.Context) error {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
 		var row model.SessionCloseRow
-		err := s.db.retry(cctx, func(ctx context.Context) error {
+		err := s.db.transact(cctx, func(ctx context.Context, q *model.Queries) error {
+			if err := q.SessionLockForClose(ctx, s.id); err != nil {
+				return err
+			}
 			var err error
-			row, err = s.db.q.SessionClose(ctx, s.id)
+			row, err = q.SessionClose(ctx, s.id)
 			return err
 		})
 		wasLost := s.Lost()

@@ -252,3 +252,73 @@ func TestEndAfterLostCommit(t *testing.T) {
 		})
 	}
 }
+
+// TestCloseMeetsAClaimInFlight closes a session while one of its claims is
+// past its snapshot but not committed (a trigger on the work insert waits
+// for a lock the test holds). Whatever the claim then reports, the closed
+// session must hold nothing: either Close waits for the claim and cancels
+// it, or the claim sees the session closed. A claim that commits after
+// Close would leave the machine held, with history Started, by a session
+// that no longer exists.
+func TestCloseMeetsAClaimInFlight(t *testing.T) {
+	t.Parallel()
+	const key = 4343
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "claimer", time.Minute)
+	id := bmdbtest.AddMachine(t, db, s, "p")
+	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_advisory_lock(%d); PERFORM pg_advisory_unlock(%d); RETURN NEW; END $$`, key, key))
+	db.Exec(t, "CREATE TRIGGER hold_claim BEFORE INSERT ON work FOR EACH ROW EXECUTE FUNCTION hold_claim()")
+	lock, err := db.Pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Release()
+	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	type claim struct {
+		w   *bmdb.Work
+		err error
+	}
+	claimed := make(chan claim, 1)
+	go func() {
+		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+		claimed <- claim{w, err}
+	}()
+	bmdbtest.WaitFor(t, 30*time.Second, "the claim waits for the test's lock", func(ctx context.Context) (bool, error) {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
+		return waiting, err
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close(t.Context()) }()
+	// Let the claim go once Close has either returned or is itself waiting
+	// for a lock: releasing earlier would let the claim commit first and
+	// test nothing.
+	bmdbtest.WaitFor(t, 30*time.Second, "Close returns or waits for the claim", func(ctx context.Context) (bool, error) {
+		if len(closed) > 0 {
+			return true, nil
+		}
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype <> 'advisory' AND NOT granted)").Scan(&waiting)
+		return waiting, err
+	})
+	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	c := <-claimed
+	if err := <-closed; err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if n := workRows(t, db, id, s.ID()); n != 0 {
+		t.Errorf("%d work rows of the closed session (claim returned %v), want 0", n, c.err)
+	}
+	if c.err == nil {
+		if ev := lastEvent(t, db, id); ev.Event != bmdb.EventCanceled {
+			t.Errorf("last event of the claimed machine %s (%q), want Canceled by Close", ev.Event, ev.Cause)
+		}
+	} else if !errors.Is(c.err, bmdb.ErrSessionExpired) {
+		t.Errorf("claim refused by the closing session: %v, want ErrSessionExpired", c.err)
+	}
+}

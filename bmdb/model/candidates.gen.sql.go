@@ -75,7 +75,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -216,7 +217,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -344,7 +346,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $5 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -487,7 +490,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -641,7 +645,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $7 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $7 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -814,7 +819,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $6 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $6 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -1516,7 +1522,8 @@ WITH target AS (
     WHERE c.machine_id = $3
       AND EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = $4 AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF c
 ),
 candidate AS (

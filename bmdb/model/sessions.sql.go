@@ -155,6 +155,19 @@ func (q *Queries) SessionList(ctx context.Context, rowLimit int32) ([]SessionLis
 	return items, nil
 }
 
+const sessionLockForClose = `-- name: SessionLockForClose :exec
+SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE
+`
+
+// SessionLockForClose locks the session's row so that claims in flight,
+// which hold it FOR KEY SHARE until they commit, finish first and new ones
+// wait and then find the session closed. SessionClose, in the same
+// transaction, then sees every work item the session holds.
+func (q *Queries) SessionLockForClose(ctx context.Context, sessionID uuid.UUID) error {
+	_, err := q.db.Exec(ctx, sessionLockForClose, sessionID)
+	return err
+}
+
 const sessionRenew = `-- name: SessionRenew :one
 UPDATE sessions
 SET deadline = now() + lease_ms * interval '1 millisecond'

@@ -135,7 +135,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -217,7 +218,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -393,7 +395,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -477,7 +480,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -809,7 +813,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -919,7 +924,8 @@ WITH candidate AS (
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
     WHERE EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF p
 ),
 revised AS (
@@ -994,7 +1000,8 @@ WITH target AS (
     WHERE c.machine_id = @machine_id
       AND EXISTS (
         SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE)
     FOR UPDATE OF c
 ),
 candidate AS (

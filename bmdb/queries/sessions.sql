@@ -18,6 +18,13 @@ SELECT EXISTS (
     SELECT 1 FROM sessions
     WHERE session_id = @session_id AND deadline > now() AND closed_at IS NULL)::boolean AS alive;
 
+-- name: SessionLockForClose :exec
+-- SessionLockForClose locks the session's row so that claims in flight,
+-- which hold it FOR KEY SHARE until they commit, finish first and new ones
+-- wait and then find the session closed. SessionClose, in the same
+-- transaction, then sees every work item the session holds.
+SELECT 1 FROM sessions WHERE session_id = @session_id FOR UPDATE;
+
 -- name: SessionClose :one
 -- SessionClose marks the session closed and, if it was still alive, cancels
 -- its work (history Canceled) in the same statement. Work of a session that had

@@ -71,6 +71,17 @@ const liveConflictingWork = `FROM work w
           AND s.deadline > now()
           AND s.closed_at IS NULL`
 
+// liveSession finds the claiming session alive, and keeps it from being
+// closed until the claim commits: its key-share lock lets renewal move the
+// deadline but makes Close, which locks the row FOR UPDATE, wait for the
+// claim and then cancel what it took. A claim that waited for a Close finds
+// the row closed when it re-reads it, and claims nothing. Without the lock a
+// claim whose snapshot predates Close would commit work for a closed session.
+const liveSession = `
+        SELECT 1 FROM sessions s
+        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL
+        FOR KEY SHARE`
+
 // backoffExclusion is the part of exclusions about backoff and quarantine.
 const backoffExclusion = `
   AND NOT EXISTS (
@@ -166,9 +177,7 @@ WITH candidate AS (
         LIMIT @scan_limit::integer
     ) c
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
-    WHERE EXISTS (
-        SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    WHERE EXISTS ({{$.LiveSession}})
     ORDER BY c.since
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
@@ -192,9 +201,7 @@ WITH candidate AS (
         LIMIT 1
     ) c
     JOIN machine_provided p ON p.machine_id = c.machine_id AND p.revision = c.revision
-    WHERE EXISTS (
-        SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+    WHERE EXISTS ({{$.LiveSession}})
     FOR UPDATE OF p
 ),
 {{$.Claim}}
@@ -221,9 +228,7 @@ WITH target AS (
         LIMIT 1), '')::text AS holder
     FROM machine_provided c
     WHERE c.machine_id = @machine_id
-      AND EXISTS (
-        SELECT 1 FROM sessions s
-        WHERE s.session_id = @session_id AND s.deadline > now() AND s.closed_at IS NULL)
+      AND EXISTS ({{.LiveSession}})
     FOR UPDATE OF c
 ),
 candidate AS (
@@ -323,11 +328,12 @@ func run(in, out string) error {
 	var buf bytes.Buffer
 	steps := func(cause string) string { return strings.Replace(claimSteps, startedCause, cause, 1) }
 	err = queries.Execute(&buf, struct {
-		Defs      []definition
-		Claim     string
-		Conflict  string
-		HoldSteps string
-	}{defs, steps("''") + "\n" + claimResult, liveConflictingWork, steps("@cause::text")})
+		Defs        []definition
+		Claim       string
+		Conflict    string
+		HoldSteps   string
+		LiveSession string
+	}{defs, steps("''") + "\n" + claimResult, liveConflictingWork, steps("@cause::text"), liveSession})
 	if err != nil {
 		return err
 	}
