@@ -23,6 +23,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"embed"
 	"errors"
 	"fmt"
@@ -50,6 +51,12 @@ type Config struct {
 	// Listen is the TCP address Listen and Run serve on; required for them
 	// (Handler works without it).
 	Listen string
+	// TLSCertFile and TLSKeyFile are the PEM certificate (chain) and
+	// private key Run serves HTTPS with; both or neither. Without them Run
+	// serves plain HTTP, and then Actions are refused on a Listen address
+	// that is not loopback: the operator token would cross the network in
+	// clear.
+	TLSCertFile, TLSKeyFile string
 	// FirstHeartbeatTimeout and HeartbeatTimeout define a Silent machine,
 	// as the recoverer sees it; defaults bmdb.DefaultFirstHeartbeatTimeout
 	// and bmdb.DefaultHeartbeatTimeout.
@@ -97,6 +104,11 @@ func (c Config) Validate() error {
 		return fmt.Errorf("web: PowerTimeout must be >= 0 (0 = default 5m), got %s", c.PowerTimeout)
 	case c.Actions && c.OperatorToken.Empty():
 		return errors.New("web: Actions need an OperatorToken")
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return errors.New("web: TLSCertFile and TLSKeyFile must be given together")
+	case c.Actions && c.TLSCertFile == "" && c.Listen != "" && !LoopbackAddr(c.Listen):
+		return fmt.Errorf("web: Actions on %s, which is not a loopback address, need TLSCertFile and TLSKeyFile: "+
+			"the operator token would cross the network in clear", c.Listen)
 	}
 	return nil
 }
@@ -134,7 +146,8 @@ type Server struct {
 	handler http.Handler
 	csrf    csrfKey
 	metrics *metrics
-	jobs    *jobs // power actions running after their response
+	jobs    *jobs       // power actions running after their response
+	tls     *tls.Config // nil: plain HTTP
 
 	mu       sync.Mutex
 	listener net.Listener
@@ -175,6 +188,12 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 		return nil, fmt.Errorf("web: generating the CSRF key: %w", err)
 	}
 	s.handler = s.routes()
+	if cfg.TLSCertFile != "" {
+		if s.tls, err = loadTLS(cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
+			return nil, err
+		}
+		s.handler = strictTransport(s.handler)
+	}
 	return s, nil
 }
 
@@ -300,11 +319,19 @@ func (s *Server) UseListener(ln net.Listener) {
 }
 
 // Run serves until ctx ends, then stops accepting connections, lets
-// in-flight requests finish (at most 5 s) and returns nil.
+// in-flight requests finish (at most 5 s) and returns nil. It serves HTTPS
+// with Config.TLSCertFile, else HTTP; with Actions and no TLS it refuses to
+// serve on a listener that is not loopback.
 func (s *Server) Run(ctx context.Context) error {
 	addr, err := s.Listen()
 	if err != nil {
 		return err
+	}
+	if s.cfg.Actions && s.tls == nil && !loopbackListener(addr) {
+		_ = s.listener.Close()
+		s.Close()
+		return fmt.Errorf("web: refusing actions without TLS on %s, which is not a loopback address: "+
+			"the operator token would cross the network in clear", addr)
 	}
 	hs := &http.Server{
 		Handler:           s.handler,
@@ -316,8 +343,13 @@ func (s *Server) Run(ctx context.Context) error {
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- hs.Serve(s.listener) }()
-	s.log.InfoContext(ctx, "web UI listening", "addr", addr.String(), "actions", s.cfg.Actions)
+	if s.tls != nil {
+		hs.TLSConfig = s.tls
+		go func() { serveErr <- hs.ServeTLS(s.listener, "", "") }()
+	} else {
+		go func() { serveErr <- hs.Serve(s.listener) }()
+	}
+	s.log.InfoContext(ctx, "web UI listening", "addr", addr.String(), "tls", s.tls != nil, "actions", s.cfg.Actions)
 
 	var runErr error
 	select {

@@ -127,7 +127,7 @@ func newDevCommand() *cobra.Command {
 			return s.run(ctx, func(s *stack) {
 				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines (provider %s)\n", s.endpoint, machines, kind)
 				if s.webAddr != "" {
-					fmt.Fprintf(out, "shepherd dev: web UI at %s\n", webURL(s.webAddr))
+					fmt.Fprintf(out, "shepherd dev: web UI at %s\n", webURL(s.webAddr, s.cfg.Web.TLSCert != ""))
 				}
 				go progress(ctx, out, s, machines)
 			})

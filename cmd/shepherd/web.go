@@ -23,6 +23,8 @@ type webConfig struct {
 	Listen    string // --web-listen; "" means no web UI
 	Actions   bool   // --web-actions
 	TokenFile string // --web-operator-token-file
+	TLSCert   string // --web-tls-cert
+	TLSKey    string // --web-tls-key
 	// FallbackPort listens on a free port of Listen's host when Listen's
 	// port is taken (shepherd dev, whose default port may be in use).
 	FallbackPort bool
@@ -32,6 +34,23 @@ func (c *webConfig) bind(fl *pflag.FlagSet) {
 	fl.StringVar(&c.Listen, "web-listen", "", "address to serve the web UI on, e.g. 127.0.0.1:8080 (default: off)")
 	fl.BoolVar(&c.Actions, "web-actions", false, "web UI: offer reset, decommission, install, host key and power actions (needs --web-operator-token-file)")
 	fl.StringVar(&c.TokenFile, "web-operator-token-file", "", "web UI: file holding the operator token that authorizes actions (at least 16 characters)")
+	fl.StringVar(&c.TLSCert, "web-tls-cert", "", "web UI: PEM certificate (chain) to serve HTTPS with (needs --web-tls-key; required for --web-actions off loopback)")
+	fl.StringVar(&c.TLSKey, "web-tls-key", "", "web UI: PEM private key of --web-tls-cert")
+}
+
+// validate checks what web.Config.Validate checks of the flags too, and
+// says which flag is wrong.
+func (c *webConfig) validate() error {
+	switch {
+	case c.TLSCert != "" && c.TLSKey == "":
+		return errors.New("--web-tls-cert needs --web-tls-key")
+	case c.TLSKey != "" && c.TLSCert == "":
+		return errors.New("--web-tls-key needs --web-tls-cert")
+	case c.Actions && c.TLSCert == "" && !web.LoopbackAddr(c.Listen):
+		return fmt.Errorf("--web-actions on --web-listen %s, which is not a loopback address, needs --web-tls-cert and --web-tls-key: "+
+			"the operator token would cross the network in clear", c.Listen)
+	}
+	return nil
 }
 
 // readOperatorToken reads the token file, warning if others may read it.
@@ -59,9 +78,14 @@ func readOperatorToken(path string, log *slog.Logger) (web.Token, error) {
 // serves it.
 func (s *stack) buildWeb(b *parts) error {
 	wc := s.cfg.Web
+	if err := wc.validate(); err != nil {
+		return err
+	}
 	rc := s.cfg.Recoverer
 	cfg := web.Config{
 		Listen:                wc.Listen,
+		TLSCertFile:           wc.TLSCert,
+		TLSKeyFile:            wc.TLSKey,
 		FirstHeartbeatTimeout: rc.FirstHeartbeatTimeout,
 		HeartbeatTimeout:      rc.HeartbeatTimeout,
 		Actions:               wc.Actions,
@@ -121,15 +145,19 @@ func (s *stack) powerController(name string) provider.PowerController {
 	return pc
 }
 
-// webURL is the address of the web UI as a browser reaches it: a wildcard
-// host becomes localhost.
-func webURL(addr string) string {
+// webURL is the address of the web UI as a browser reaches it, https with
+// TLS: a wildcard host becomes localhost.
+func webURL(addr string, tls bool) string {
+	scheme := "http://"
+	if tls {
+		scheme = "https://"
+	}
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return "http://" + addr
+		return scheme + addr
 	}
 	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
 		host = "localhost"
 	}
-	return "http://" + net.JoinHostPort(host, port) + "/"
+	return scheme + net.JoinHostPort(host, port) + "/"
 }
