@@ -115,7 +115,10 @@ generate-check: generate
 		exit 1; \
 	fi
 
+# Besides the Go checks, no tracked file may look like a build product or
+# exceed 1 MB (scripts/checkfiles).
 lint: $(STATICCHECK)
+	$(GO) run ./scripts/checkfiles
 	@out=$$(gofmt -l $$(git ls-files '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
