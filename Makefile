@@ -20,7 +20,7 @@ GREMLINS      := $(TOOLS)/gremlins-$(GREMLINS_VERSION)/gremlins
 # Generated files, checked by `make generate-check`.
 GENERATED := bmdb/queries/candidates.gen.sql bmdb/model api
 
-.PHONY: all build test chaos mutate fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients
+.PHONY: all build test chaos mutate fuzz generate generate-check lint bench dev tools require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients require-systemd-analyze
 
 all: build
 
@@ -48,6 +48,9 @@ require-openipmi:
 require-redfish-clients:
 	@scripts/require-redfish-clients
 
+require-systemd-analyze:
+	@scripts/require-systemd-analyze
+
 # Fuzz targets of the parsers of external input (SPEC §8 R9), each run by
 # `make test` for FUZZTIME_DEFAULT inputs or the count after its second
 # colon (a target whose inputs each cost a database round trip runs
@@ -71,7 +74,7 @@ FUZZ_TARGETS := \
 
 # sshd is installed first, so the SSH end-to-end tests must use it: a
 # missing sshd fails them rather than falling back to the in-process server.
-test: require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients
+test: require-postgres require-sshd require-chromium require-promtool require-openipmi require-redfish-clients require-systemd-analyze
 	SHEPHERD_REQUIRE_SSHD=1 $(GO) test -race -count=1 -timeout 20m ./...
 	$(MAKE) --no-print-directory fuzz
 

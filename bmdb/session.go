@@ -150,6 +150,9 @@ func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, er
 	s.stopRenew = stop
 	db.metrics.sessionsStarted.WithLabelValues(cfg.Component).Inc()
 	db.metrics.sessionsOpen.WithLabelValues(cfg.Component).Inc()
+	// At zero from the start, so that the first loss is an increase
+	// Prometheus sees (a series born at 1 shows none).
+	db.metrics.sessionsLost.WithLabelValues(cfg.Component)
 	go s.renew(rctx, sent.Add(cfg.Lease))
 	go s.reconcileLoop(rctx)
 	s.log.InfoContext(ctx, "session started", "lease", cfg.Lease)
