@@ -223,6 +223,9 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 			return err
 		}
 	}
+	if err := cfg.Web.validate(); err != nil {
+		return err
+	}
 	if cfg.Web.Listen != "" {
 		if err := s.buildWeb(b); err != nil {
 			return err

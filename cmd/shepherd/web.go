@@ -38,15 +38,18 @@ func (c *webConfig) bind(fl *pflag.FlagSet) {
 	fl.StringVar(&c.TLSKey, "web-tls-key", "", "web UI: PEM private key of --web-tls-cert")
 }
 
-// validate checks what web.Config.Validate checks of the flags too, and
-// says which flag is wrong.
+// validate checks the web UI's flags, what web.Config.Validate checks
+// included, and says which flag is wrong. build calls it whether or not
+// the web UI runs.
 func (c *webConfig) validate() error {
 	switch {
+	case c.Listen == "" && (c.TLSCert != "" || c.TLSKey != ""):
+		return errors.New("--web-tls-cert and --web-tls-key are only used with --web-listen")
 	case c.TLSCert != "" && c.TLSKey == "":
 		return errors.New("--web-tls-cert needs --web-tls-key")
 	case c.TLSKey != "" && c.TLSCert == "":
 		return errors.New("--web-tls-key needs --web-tls-cert")
-	case c.Actions && c.TLSCert == "" && !web.LoopbackAddr(c.Listen):
+	case c.Listen != "" && c.Actions && c.TLSCert == "" && !web.LoopbackAddr(c.Listen):
 		return fmt.Errorf("--web-actions on --web-listen %s, which is not a loopback address, needs --web-tls-cert and --web-tls-key: "+
 			"the operator token would cross the network in clear", c.Listen)
 	}
@@ -78,9 +81,6 @@ func readOperatorToken(path string, log *slog.Logger) (web.Token, error) {
 // serves it.
 func (s *stack) buildWeb(b *parts) error {
 	wc := s.cfg.Web
-	if err := wc.validate(); err != nil {
-		return err
-	}
 	rc := s.cfg.Recoverer
 	cfg := web.Config{
 		Listen:                wc.Listen,

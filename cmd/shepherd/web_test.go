@@ -24,6 +24,8 @@ func TestWebFlagsValidate(t *testing.T) {
 		cfg  webConfig
 		want string // "" = valid
 	}{
+		{webConfig{TLSCert: "c", TLSKey: "k"}, "--web-tls-cert and --web-tls-key are only used with --web-listen"},
+		{webConfig{Actions: true}, ""},
 		{webConfig{Listen: "127.0.0.1:8080", TLSCert: "c"}, "--web-tls-cert needs --web-tls-key"},
 		{webConfig{Listen: "127.0.0.1:8080", TLSKey: "k"}, "--web-tls-key needs --web-tls-cert"},
 		{webConfig{Listen: "0.0.0.0:8080", Actions: true}, "--web-actions on --web-listen 0.0.0.0:8080, which is not a loopback address, needs --web-tls-cert and --web-tls-key"},
