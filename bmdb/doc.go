@@ -14,7 +14,9 @@
 // A machine is a row with a UUID plus tags, one optional row per kind
 // (Provided, AgentStarted, AgentHeartbeat, installation request, ...).
 // Processes find their work by which tags a machine has or lacks, and
-// change tags only through [Tx], inside a transaction.
+// change tags through [Tx], inside a transaction of their session;
+// operators' requests ([DB.RequestInstallation], [DB.RequestDecommission])
+// are made outside any session.
 //
 // # Sessions
 //

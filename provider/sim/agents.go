@@ -667,8 +667,8 @@ func hardwareReport(i int32, id string) *agentv1.HardwareReport {
 			MacAddress: fmt.Sprintf("02:53:%02x:%02x:%02x:%02x", byte(n>>24), byte(n>>16), byte(n>>8), byte(n)),
 		}},
 		BlockDevices: []*agentv1.BlockDevice{
-			{Name: "nvme0n1", SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-0"},
-			{Name: "nvme1n1", SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-1"},
+			{Name: simDisks[0], SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-0"},
+			{Name: simDisks[1], SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-1"},
 		},
 		Dmi:          &agentv1.DMI{SystemVendor: "Shepherd", ProductName: "Simulated Server", ProductSerial: id},
 		FirmwareMode: agentv1.FirmwareMode_FIRMWARE_MODE_EFI,
