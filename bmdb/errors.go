@@ -35,6 +35,11 @@ var ErrNotCandidate = errors.New("bmdb: the machine is no longer a candidate")
 // ErrNotFound means the machine, session or record asked for does not exist.
 var ErrNotFound = errors.New("bmdb: not found")
 
+// ErrDecommissioned means the machine was decommissioned, or an operator
+// asked for it to be and the decommissioner is taking it out of the fleet:
+// it takes no new requests.
+var ErrDecommissioned = errors.New("bmdb: decommissioned")
+
 // SQLSTATEs that make a transaction worth retrying as a whole.
 const (
 	sqlstateSerializationFailure = "40001"

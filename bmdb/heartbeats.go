@@ -308,24 +308,36 @@ func (db *DB) GetAgentStarted(ctx context.Context, machine uuid.UUID) (time.Time
 
 // RequestInstallation stores an OS installation request (protobuf bytes)
 // for a provided machine under its next generation, which it returns; the
-// agent receives it with its next heartbeat. It returns ErrNotFound if the
-// machine does not exist or is not provided. Operators make requests outside
-// any session.
+// agent receives it with its next heartbeat. It returns an error wrapping
+// ErrDecommissioned if the machine was decommissioned or an operator asked
+// for it to be (GetDecommissioned tells which), and ErrNotFound if the
+// machine does not exist or is not provided otherwise. Operators make
+// requests outside any session.
 func (db *DB) RequestInstallation(ctx context.Context, machine uuid.UUID, request []byte) (int64, error) {
 	var gen int64
 	err := db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
-		if _, err := q.MachineProvidedGet(ctx, machine); errors.Is(err, pgx.ErrNoRows) {
-			return ErrNotFound
-		} else if err != nil {
-			return err
+		_, perr := q.MachineProvidedGet(ctx, machine)
+		if perr != nil && !errors.Is(perr, pgx.ErrNoRows) {
+			return perr
 		}
-		var err error
+		d, err := q.MachineDecommissionGet(ctx, machine)
+		switch {
+		case err != nil:
+			return err
+		case d.Decommissioned:
+			return fmt.Errorf("the machine was decommissioned: %w", ErrDecommissioned)
+		case d.Requested:
+			return fmt.Errorf("the machine is being decommissioned: %w", ErrDecommissioned)
+		case perr != nil:
+			return ErrNotFound
+		}
 		gen, err = (&Tx{q: q}).RequestInstallation(ctx, machine, request)
 		return err
 	})
-	if errors.Is(err, ErrNotFound) {
-		return 0, fmt.Errorf("bmdb: requesting installation on machine %s: %w", machine, ErrNotFound)
-	} else if err != nil {
+	switch {
+	case errors.Is(err, ErrNotFound) || errors.Is(err, ErrDecommissioned):
+		return 0, fmt.Errorf("bmdb: requesting installation on machine %s: %w", machine, err)
+	case err != nil:
 		return 0, err
 	}
 	return gen, nil

@@ -1,9 +1,12 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -54,6 +57,9 @@ func TestDev(t *testing.T) {
 			if out := p.output(); !strings.Contains(out, "fleet: ") || !strings.Contains(out, "Healthy") {
 				t.Errorf("no progress lines on the terminal:\n%s", out)
 			}
+			if tt.provider == "equinix" {
+				tryEquinixCLI(t, p.output(), tt.machines)
+			}
 			if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
 				t.Fatal(err)
 			}
@@ -68,6 +74,67 @@ func TestDev(t *testing.T) {
 			}
 		})
 	}
+}
+
+// tryEquinixCLI runs the equinix CLI command line `shepherd dev
+// --provider=equinix` printed for its fake Metal API, as an operator
+// would paste it, and checks that it lists the fleet's devices.
+func tryEquinixCLI(t *testing.T, out string, machines int) {
+	t.Helper()
+	m := regexp.MustCompile(`(?m)^    shepherd (equinix .*)$`).FindStringSubmatch(out)
+	if m == nil {
+		t.Errorf("shepherd dev --provider=equinix printed no equinix command line:\n%s", out)
+		return
+	}
+	args, err := shellWords(m[1])
+	if err != nil {
+		t.Fatalf("the printed command line %q: %v", m[1], err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	list, err := exec.CommandContext(ctx, filepath.Join(binaries(t), "shepherd"), args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("the printed command line %q: %v\n%s", m[1], err, list)
+	}
+	if n := strings.Count(string(list), " true "); n != machines {
+		t.Errorf("the printed command line listed %d devices of ours, want %d:\n%s", n, machines, list)
+	}
+}
+
+// shellWords splits a command line as a POSIX shell does, for the
+// quoting shepherd prints: words separated by spaces, single quotes.
+func shellWords(line string) ([]string, error) {
+	var words []string
+	var w strings.Builder
+	inWord, quoted := false, false
+	for _, r := range line {
+		switch {
+		case quoted && r == '\'':
+			quoted = false
+		case quoted:
+			w.WriteRune(r)
+		case r == '\'':
+			quoted, inWord = true, true
+		case r == ' ':
+			if inWord {
+				words = append(words, w.String())
+				w.Reset()
+				inWord = false
+			}
+		case r == '"' || r == '\\' || r == '$' || r == '`':
+			return nil, fmt.Errorf("unexpected %q outside single quotes", r)
+		default:
+			w.WriteRune(r)
+			inWord = true
+		}
+	}
+	if quoted {
+		return nil, fmt.Errorf("unterminated single quote")
+	}
+	if inWord {
+		words = append(words, w.String())
+	}
+	return words, nil
 }
 
 // processesMentioning lists the processes whose command line contains s.

@@ -322,7 +322,10 @@ func (s *Server) act(a action) http.Handler {
 			}
 			done = "power " + string(a.power) + " started"
 		}
-		if errors.Is(err, bmdb.ErrNotFound) {
+		if errors.Is(err, bmdb.ErrDecommissioned) {
+			refuse(http.StatusConflict, fmt.Sprintf("Machine %s is decommissioned or being decommissioned.", id))
+			return
+		} else if errors.Is(err, bmdb.ErrNotFound) {
 			refuse(http.StatusNotFound, fmt.Sprintf("Machine %s does not exist or is not provided.", id))
 			return
 		} else if err != nil {

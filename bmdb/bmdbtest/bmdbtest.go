@@ -156,13 +156,21 @@ func (c *cluster) shutdown() error {
 
 func (c *cluster) ready(t testing.TB) {
 	t.Helper()
+	if err := c.readyErr(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readyErr starts the cluster on first use and says why it cannot be used.
+func (c *cluster) readyErr() error {
 	if !mainCalled.Load() {
-		t.Fatal("bmdbtest: call bmdbtest.Main(m) from TestMain, so that the test cluster is stopped after the tests")
+		return errors.New("bmdbtest: call bmdbtest.Main(m) from TestMain, so that the test cluster is stopped after the tests")
 	}
 	c.once.Do(func() { c.err = c.start() })
 	if c.err != nil {
-		t.Fatalf("bmdbtest: %v", c.err)
+		return fmt.Errorf("bmdbtest: %w", c.err)
 	}
+	return nil
 }
 
 // NewDatabase creates a fresh, migrated database for the test, drops it when
@@ -183,23 +191,60 @@ func NewEmptyDatabase(t testing.TB) string {
 
 func newDatabase(t testing.TB, template string) string {
 	t.Helper()
-	name := fmt.Sprintf("%s_t%d", shared.tmpl, shared.seq.Add(1))
-	ctx := context.Background()
-	shared.create.Lock()
-	_, err := shared.admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
-		pgx.Identifier{name}.Sanitize(), pgx.Identifier{template}.Sanitize()))
-	shared.create.Unlock()
+	name, err := createDatabase(template)
 	if err != nil {
-		t.Fatalf("bmdbtest: creating database %s: %v", name, err)
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if _, err := shared.admin.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			t.Errorf("bmdbtest: dropping database %s: %v", name, err)
+		if err := dropDatabase(name); err != nil {
+			t.Error(err)
 		}
 	})
 	return shared.url(name)
+}
+
+// createDatabase creates a database cloned from template and returns its
+// name.
+func createDatabase(template string) (string, error) {
+	name := fmt.Sprintf("%s_t%d", shared.tmpl, shared.seq.Add(1))
+	shared.create.Lock()
+	_, err := shared.admin.Exec(context.Background(), fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
+		pgx.Identifier{name}.Sanitize(), pgx.Identifier{template}.Sanitize()))
+	shared.create.Unlock()
+	if err != nil {
+		return "", fmt.Errorf("bmdbtest: creating database %s: %w", name, err)
+	}
+	return name, nil
+}
+
+// dropDatabase drops a database createDatabase made.
+func dropDatabase(name string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := shared.admin.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("bmdbtest: dropping database %s: %w", name, err)
+	}
+	return nil
+}
+
+// ExampleDatabase is NewDatabase for Example functions, which have no
+// testing.TB: it creates a fresh, migrated database on the binary's test
+// cluster (Main must run the tests) and returns its URL and a function
+// that drops it. Where NewDatabase would fail the test, it panics, which
+// fails the example.
+func ExampleDatabase() (url string, drop func()) {
+	if err := shared.readyErr(); err != nil {
+		panic(err)
+	}
+	name, err := createDatabase(shared.tmpl)
+	if err != nil {
+		panic(err)
+	}
+	return shared.url(name), func() {
+		if err := dropDatabase(name); err != nil {
+			panic(err)
+		}
+	}
 }
 
 // DB is a test's own BMDB, plus a raw connection pool for setting up states

@@ -210,6 +210,26 @@ func (q *Queries) MachineAdd(ctx context.Context, arg MachineAddParams) (uuid.UU
 	return machine_id, err
 }
 
+const machineDecommissionGet = `-- name: MachineDecommissionGet :one
+SELECT EXISTS (SELECT 1 FROM machine_decommission_request r WHERE r.machine_id = $1) AS requested,
+       EXISTS (SELECT 1 FROM decommissioned_machines d WHERE d.machine_id = $1) AS decommissioned
+`
+
+type MachineDecommissionGetRow struct {
+	Requested      bool
+	Decommissioned bool
+}
+
+// MachineDecommissionGet says whether an operator asked for the machine to
+// be decommissioned (the request is open until the decommissioner is done)
+// and whether it was decommissioned.
+func (q *Queries) MachineDecommissionGet(ctx context.Context, machineID uuid.UUID) (MachineDecommissionGetRow, error) {
+	row := q.db.QueryRow(ctx, machineDecommissionGet, machineID)
+	var i MachineDecommissionGetRow
+	err := row.Scan(&i.Requested, &i.Decommissioned)
+	return i, err
+}
+
 const machineProvidedGet = `-- name: MachineProvidedGet :one
 SELECT machine_id, provider, provider_id, provider_reservation_id, provider_ip_address,
        provider_location, provider_status, provider_status_at, agent_phase

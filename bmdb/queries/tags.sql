@@ -72,3 +72,10 @@ ON CONFLICT (machine_id) DO NOTHING;
 -- HistoryRequested records an operator's request in the machine's history.
 INSERT INTO work_history (machine_id, process, event, cause)
 VALUES (@machine_id, @process, 'Requested', @cause);
+
+-- name: MachineDecommissionGet :one
+-- MachineDecommissionGet says whether an operator asked for the machine to
+-- be decommissioned (the request is open until the decommissioner is done)
+-- and whether it was decommissioned.
+SELECT EXISTS (SELECT 1 FROM machine_decommission_request r WHERE r.machine_id = @machine_id) AS requested,
+       EXISTS (SELECT 1 FROM decommissioned_machines d WHERE d.machine_id = @machine_id) AS decommissioned;

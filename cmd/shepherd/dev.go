@@ -113,9 +113,10 @@ func newDevCommand() *cobra.Command {
 			cfg.Components = allComponents
 			cfg.Provider = kind
 			cfg.ProviderConfig = []byte(fmt.Sprintf("machines: %d\n%s", machines, simYAML))
+			var api devEquinixAPI
 			if kind == equinix.Name {
 				cfg.Providers = provider.NewRegistry()
-				cfg.Providers.Add(equinix.Name, devEquinixFactory(machines, simYAML))
+				cfg.Providers.Add(equinix.Name, devEquinixFactory(machines, simYAML, filepath.Join(dataDir, "equinix"), &api))
 			}
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
 			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
@@ -128,6 +129,10 @@ func newDevCommand() *cobra.Command {
 				fmt.Fprintf(out, "shepherd dev: callback server on %s, %d simulated machines (provider %s)\n", s.endpoint, machines, kind)
 				if s.webAddr != "" {
 					fmt.Fprintf(out, "shepherd dev: web UI at %s\n", webURL(s.webAddr, s.cfg.Web.TLSCert != ""))
+				}
+				if api.URL != "" {
+					fmt.Fprintf(out, "shepherd dev: fake Equinix Metal API at %s, token in %s; try the equinix CLI against it:\n    shepherd equinix --config %s --database-url %s devices list\n",
+						api.URL, api.TokenFile, shellQuote(api.ConfigFile), shellQuote(url))
 				}
 				go progress(ctx, out, s, machines)
 			})
@@ -159,7 +164,17 @@ func newDevCommand() *cobra.Command {
 		_ = fl.Set(name, v)
 		fl.Lookup(name).DefValue = v
 	}
+	// run's wording says the web UI is off by default; in dev it is on.
+	fl.Lookup("web-listen").Usage = `address to serve the web UI on; "" turns it off (a taken default port falls back to a free one)`
 	return cmd
+}
+
+// shellQuote quotes s for a POSIX shell if it needs it.
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:@=,+%") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // ensureDatabase creates database on the server at adminURL unless it exists.

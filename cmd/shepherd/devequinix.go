@@ -6,9 +6,12 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -20,8 +23,12 @@ import (
 	"github.com/shepherd/shepherd/provider/sim"
 )
 
-// devProject is the Metal project of `shepherd dev --provider=equinix`.
-const devProject = "shepherd-dev"
+// devProject is the Metal project of `shepherd dev --provider=equinix`,
+// and devOperatingSystem the operating system of its devices.
+const (
+	devProject         = "shepherd-dev"
+	devOperatingSystem = "ubuntu_22_04"
+)
 
 // devEquinix is the equinix provider as `shepherd dev --provider=equinix`
 // runs it: the real provider and API client, talking HTTP to an in-process
@@ -47,9 +54,19 @@ var (
 	_ provider.Recoverer   = (*devEquinix)(nil)
 )
 
+// devEquinixAPI says where the fake Metal API of `shepherd dev
+// --provider=equinix` is, so that the equinix CLI can be tried against
+// it: the API's URL, the file holding its token, and a configuration file
+// for `shepherd equinix --config` naming both (and the dev project).
+type devEquinixAPI struct {
+	URL, TokenFile, ConfigFile string
+}
+
 // devEquinixFactory returns the factory of the dev provider with the given
-// number of hardware reservations (and simulated machines behind them).
-func devEquinixFactory(machines int, simYAML string) provider.Factory {
+// number of hardware reservations (and simulated machines behind them). It
+// writes the fake API's token and a configuration of the equinix CLI for
+// it into dir, and fills in api.
+func devEquinixFactory(machines int, simYAML, dir string, api *devEquinixAPI) provider.Factory {
 	return func(ctx context.Context, env provider.Env, _ []byte) (provider.Provider, error) {
 		if env.SSHSigner == nil {
 			return nil, errors.New("dev equinix: no SSH key")
@@ -95,15 +112,20 @@ func devEquinixFactory(machines int, simYAML string) provider.Factory {
 		}
 		d.srv = &http.Server{Handler: d.api, ReadHeaderTimeout: 10 * time.Second}
 		go func() { _ = d.srv.Serve(d.ln) }() // ends with Shutdown in Run or in the error path below
+		baseURL := "http://" + d.ln.Addr().String() + "/metal/v1"
+		if err := writeDevEquinixConfig(dir, baseURL, token, api); err != nil {
+			d.shutdown()
+			return nil, err
+		}
 		client, err := metal.New(metal.Config{
-			BaseURL: "http://" + d.ln.Addr().String() + "/metal/v1", Token: token,
+			BaseURL: baseURL, Token: token,
 			RequestsPerSecond: 80, Burst: 40, Logger: env.Logger, Registerer: env.Registerer,
 			// The BMDB's budget, as in production, though dev is one process.
 			SharedBudget: equinix.SharedBudget(env.RequestBudget),
 		})
 		if err == nil {
 			d.Provider, err = equinix.New(ctx, equinix.Config{
-				Project: devProject, Client: client, OperatingSystem: "ubuntu_22_04",
+				Project: devProject, Client: client, OperatingSystem: devOperatingSystem,
 				SSHKey: env.SSHSigner.PublicKey(), Logger: env.Logger, StatePollInterval: 500 * time.Millisecond,
 			})
 		}
@@ -113,6 +135,31 @@ func devEquinixFactory(machines int, simYAML string) provider.Factory {
 		}
 		return d, nil
 	}
+}
+
+// writeDevEquinixConfig writes the fake API's token (mode 0600) and a
+// configuration of the equinix provider for it into dir, as `shepherd
+// equinix --config` reads it, and fills in api.
+func writeDevEquinixConfig(dir, baseURL, token string, api *devEquinixAPI) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("dev equinix: %w", err)
+	}
+	tokenFile := filepath.Join(dir, "token")
+	// Remove first: WriteFile keeps the mode of a file that exists.
+	if err := os.Remove(tokenFile); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("dev equinix: %w", err)
+	}
+	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
+		return fmt.Errorf("dev equinix: writing the API token: %w", err)
+	}
+	configFile := filepath.Join(dir, "equinix.yaml")
+	config := fmt.Sprintf("# The fake Metal API of `shepherd dev --provider=equinix`; valid while it runs.\n"+
+		"project: %s\ntoken_file: %s\napi_url: %s\noperating_system: %s\n", devProject, tokenFile, baseURL, devOperatingSystem)
+	if err := os.WriteFile(configFile, []byte(config), 0o600); err != nil {
+		return fmt.Errorf("dev equinix: writing the CLI configuration: %w", err)
+	}
+	*api = devEquinixAPI{URL: baseURL, TokenFile: tokenFile, ConfigFile: configFile}
+	return nil
 }
 
 // Run runs the simulated hardware and serves the fake API until ctx ends.

@@ -53,9 +53,15 @@ func newInstallCommand() *cobra.Command {
 			}
 			defer d.Close()
 			gen, err := d.RequestInstallation(cmd.Context(), id, raw)
-			if errors.Is(err, bmdb.ErrNotFound) {
+			switch {
+			case errors.Is(err, bmdb.ErrDecommissioned):
+				if _, derr := d.GetDecommissioned(cmd.Context(), id); derr == nil {
+					return fmt.Errorf("machine %s was decommissioned: it takes no installations (see `shepherd machine show`)", id)
+				}
+				return fmt.Errorf("machine %s is being decommissioned: it takes no installations", id)
+			case errors.Is(err, bmdb.ErrNotFound):
 				return fmt.Errorf("machine %s does not exist or is not provided", id)
-			} else if err != nil {
+			case err != nil:
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "requested installation generation %d on machine %s\n", gen, id)

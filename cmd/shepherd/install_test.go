@@ -21,6 +21,7 @@ import (
 
 	"github.com/shepherd/shepherd/agent"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/internal/devpki"
 )
@@ -97,6 +98,26 @@ func TestInstallRequest(t *testing.T) {
 	}
 	if in, err = db.GetInstallation(t.Context(), m); err != nil || proto.Unmarshal(in.Request, &req) != nil || req.GetTargetDevice() != "/var/lib/shepherd/disk.img" {
 		t.Errorf("stored request with --file-target: %v, %v", &req, err)
+	}
+
+	// A machine leaving the fleet is named as such, not as unknown.
+	if err := db.RequestDecommission(t.Context(), m, "alice", "disk failed"); err != nil {
+		t.Fatal(err)
+	}
+	out, err = run(t, args(m.String(), "https://img.example/os.img", sha, "/dev/sda")...)
+	if want := "machine " + m.String() + " is being decommissioned: it takes no installations"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("request on a machine being decommissioned: %v, want an error saying %q:\n%s", err, want, out)
+	}
+	err = s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
+		_, err := tx.Decommission(ctx, m, true)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err = run(t, args(m.String(), "https://img.example/os.img", sha, "/dev/sda")...)
+	if want := "machine " + m.String() + " was decommissioned: it takes no installations"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("request on a decommissioned machine: %v, want an error saying %q:\n%s", err, want, out)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/shepherd/shepherd/agent"
+	"github.com/shepherd/shepherd/agent/install"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 )
@@ -80,26 +81,26 @@ type sharedPool struct {
 
 // daemon is a simulated agent daemon: the state the real daemon keeps, and
 // its place in the heartbeat queue. It costs about 150 bytes, and no
-// goroutine: workers run its heartbeats when they are due.
+// goroutine: workers run its heartbeats when they are due (an
+// installation runs in a goroutine of its own while it lasts).
 type daemon struct {
 	machineID string
 	client    *heartbeatClient
 	report    *agentv1.OSInstallationReport // to deliver with the next heartbeat
-	// due is when the next heartbeat is due; installDone when the running
-	// installation finishes (offsets from Fleet.start).
-	due, installDone time.Duration
-	backoff          time.Duration // after the last failed heartbeat; 0 after a success
-	generation       int64         // of the running installation
-	slot             int32
-	index            int32 // position in the queue; -1 if not queued
-	own              bool  // client is the agent's own: close it when the agent stops
-	inflight         bool  // a worker runs its heartbeat
-	stopped          bool  // the agent is gone (replaced, rebooted, killed, fleet stopped)
-	silenced         bool
-	hwRecorded       bool // the server said it recorded the hardware report
-	dropped          bool // the last heartbeat was dropped by a Partition
-	installing       bool
-	rebootAfter      bool // reboot once the successful report is delivered
+	// inst is the installation started and not yet reported; nil if none.
+	inst *installation
+	// due is when the next heartbeat is due (an offset from Fleet.start).
+	due         time.Duration
+	backoff     time.Duration // after the last failed heartbeat; 0 after a success
+	slot        int32
+	index       int32 // position in the queue; -1 if not queued
+	own         bool  // client is the agent's own: close it when the agent stops
+	inflight    bool  // a worker runs its heartbeat
+	stopped     bool  // the agent is gone (replaced, rebooted, killed, fleet stopped)
+	silenced    bool
+	hwRecorded  bool // the server said it recorded the hardware report
+	dropped     bool // the last heartbeat was dropped by a Partition
+	rebootAfter bool // reboot once the successful report is delivered
 }
 
 // agentQueue is a min-heap of agents by due time. Only agents that are
@@ -134,11 +135,11 @@ func (q *agentQueue) remove(a *daemon) {
 }
 
 // scheduleLocked queues a for a heartbeat at due, or earlier when its
-// installation finishes then: the real daemon reports at once. f.mu must
-// be held.
+// finished installation may be reported then: the real daemon reports at
+// once. f.mu must be held.
 func (f *Fleet) scheduleLocked(a *daemon, due time.Duration) {
-	if a.installing && a.installDone < due {
-		due = a.installDone
+	if in := a.inst; in != nil && in.report != nil && in.done < due {
+		due = in.done
 	}
 	a.due = due
 	if a.index >= 0 {
@@ -250,7 +251,13 @@ func (f *Fleet) startAgent(a *daemon, boot uint32) error {
 // addAgentLocked makes a the running agent of its slot and queues its
 // first heartbeat, which is due at once. f.mu must be held.
 func (f *Fleet) addAgentLocked(a *daemon) {
-	f.slots[a.slot].agent = a
+	s := &f.slots[a.slot]
+	s.agent = a
+	if s.interrupted {
+		s.interrupted = false
+		a.report = install.ErrorReport(s.installed, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
+			"(killed, or the machine restarted); the target may be partly written", s.installed))
+	}
 	f.stats.AgentsRunning++
 	f.metrics.agents.Set(float64(f.stats.AgentsRunning))
 	f.scheduleLocked(a, f.now())
@@ -262,6 +269,15 @@ func (f *Fleet) addAgentLocked(a *daemon) {
 func (f *Fleet) stopAgentLocked(a *daemon) *http.Client {
 	a.stopped = true
 	f.queue.remove(a)
+	if a.inst != nil {
+		// The system the agent ran on ended, and its installation with
+		// it; the goroutine sees its context cancelled and ends. The
+		// machine's next agent reports it failed, as the real agent
+		// does from its state directory.
+		a.inst.cancel()
+		a.inst = nil
+		f.slots[a.slot].interrupted = true
+	}
 	if s := &f.slots[a.slot]; s.agent == a {
 		s.agent = nil
 	}
@@ -447,13 +463,9 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 		return
 	}
 	sent := f.now()
-	if a.installing && a.installDone <= sent {
-		a.installing = false
-		a.report = &agentv1.OSInstallationReport{
-			Generation: a.generation,
-			Result:     &agentv1.OSInstallationReport_Success{Success: &agentv1.InstallationSuccess{}},
-		}
-		f.stats.Installations++
+	if in := a.inst; in != nil && in.report != nil && in.done <= sent {
+		a.inst = nil
+		a.report = in.report
 	}
 	if f.slots[a.slot].partitioned {
 		// Dropped on the way: the agent would see its RPC time out after
@@ -523,7 +535,7 @@ func (f *Fleet) heartbeat(ctx context.Context, a *daemon) {
 		}
 	}
 	if ir := resp.Msg.GetInstallationRequest(); ir != nil {
-		f.maybeInstallLocked(a, ir, now)
+		f.maybeInstallLocked(ctx, a, ir, now)
 	}
 	interval := defaultInterval
 	if n := resp.Msg.GetNextHeartbeatIn(); n != nil && n.AsDuration() > 0 {
@@ -566,19 +578,23 @@ func (f *Fleet) observeHeartbeat(a *daemon, req *agentv1.HeartbeatRequest, sent 
 }
 
 // maybeInstallLocked starts the installation ir asks for unless its
-// generation was handled on this machine already or another one runs.
-// f.mu must be held.
-func (f *Fleet) maybeInstallLocked(a *daemon, ir *agentv1.OSInstallationRequest, now time.Duration) {
+// generation was handled on this machine already or another one runs: it
+// runs the real installation code (see install.go) in a goroutine of its
+// own, which ctx or the agent's end cancels. f.mu must be held.
+func (f *Fleet) maybeInstallLocked(ctx context.Context, a *daemon, ir *agentv1.OSInstallationRequest, now time.Duration) {
 	s := &f.slots[a.slot]
-	if ir.GetGeneration() <= s.installed || a.installing {
+	if ir.GetGeneration() <= s.installed || a.inst != nil {
 		return
 	}
 	s.installed = ir.GetGeneration()
-	a.installing = true
-	a.generation = ir.GetGeneration()
-	a.installDone = now + f.cfg.InstallLatency
+	ictx, cancel := context.WithCancel(ctx)
+	in := &installation{generation: ir.GetGeneration(), done: now + f.cfg.InstallLatency, cancel: cancel}
+	a.inst = in
 	a.rebootAfter = ir.GetRebootAfter()
-	f.log.Info("installing", "machine_id", a.machineID, "provider_id", f.id(a.slot), "generation", a.generation)
+	f.installs.Add(1)
+	f.log.Info("installing", "machine_id", a.machineID, "provider_id", f.id(a.slot), "generation", in.generation,
+		"image_url", ir.GetImageUrl(), "target", ir.GetTargetDevice())
+	go f.runInstall(ictx, a, in, ir)
 }
 
 // rebootByAgentLocked reboots machine i after an installation: the agent
@@ -630,6 +646,8 @@ func (f *Fleet) shutdown() {
 	for _, c := range clients {
 		c.CloseIdleConnections()
 	}
+	f.installs.Wait() // stopping the agents cancelled them
+	f.removeDisks()
 }
 
 // jitter spreads d by ±20 %, so agents that failed together retry apart.
@@ -649,8 +667,8 @@ func hardwareReport(i int32, id string) *agentv1.HardwareReport {
 			MacAddress: fmt.Sprintf("02:53:%02x:%02x:%02x:%02x", byte(n>>24), byte(n>>16), byte(n>>8), byte(n)),
 		}},
 		BlockDevices: []*agentv1.BlockDevice{
-			{Name: "nvme0n1", SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-0"},
-			{Name: "nvme1n1", SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-1"},
+			{Name: simDisks[0], SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-0"},
+			{Name: simDisks[1], SizeBytes: 960_197_124_096, Model: "SimNVMe 960GB", Serial: id + "-1"},
 		},
 		Dmi:          &agentv1.DMI{SystemVendor: "Shepherd", ProductName: "Simulated Server", ProductSerial: id},
 		FirmwareMode: agentv1.FirmwareMode_FIRMWARE_MODE_EFI,

@@ -2,6 +2,8 @@ package sim_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"io"
 	"net"
@@ -513,13 +515,16 @@ func TestReportsResent(t *testing.T) {
 	t.Parallel()
 	const hwAfter, instAfter = 3, 2 // answers that do not record the report
 	instSeen := 0
+	image := testImage()
+	sum := sha256.Sum256(image)
+	srv := imageServer(t, image)
 	cb := newCallback(t, func(n int, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
 		resp := okAnswer(req)
 		resp.HardwareReportRecorded = req.GetHardwareReport() != nil && n >= hwAfter
 		if n == 0 {
 			resp.InstallationRequest = &agentv1.OSInstallationRequest{
-				Generation: 1, ImageUrl: "https://images.example/os.img", TargetDevice: "/dev/nvme0n1",
-				ImageSha256: strings.Repeat("0", 64),
+				Generation: 1, ImageUrl: srv.URL + "/os.img", TargetDevice: "/dev/nvme0n1",
+				ImageSha256: hex.EncodeToString(sum[:]),
 			}
 		}
 		if req.GetInstallationReport() != nil {
@@ -531,7 +536,7 @@ func TestReportsResent(t *testing.T) {
 		return resp, nil
 	})
 	rec := &recorder{}
-	f := startFleet(t, sim.Config{Machines: 1, InstallLatency: 10 * time.Millisecond, Observer: rec})
+	f := startFleet(t, sim.Config{Machines: 1, InstallLatency: 10 * time.Millisecond, Observer: rec, DiskDir: t.TempDir()})
 	id := slotID(1)
 	if err := f.Provision(id); err != nil {
 		t.Fatal(err)

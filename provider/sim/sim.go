@@ -8,6 +8,11 @@
 // TakeoverInit on stdin; the simulated agent then sends real heartbeat RPCs
 // over TLS to the callback server the TakeoverInit names, and reacts to its
 // answers (interval, installation requests) like the real daemon (§4.3).
+// An installation runs the real agent's installation code (download,
+// SHA-256 check, write, read-back) against a simulated disk, a file per
+// machine and disk made only when an installation writes it (see
+// Config.DiskDir), so a wrong digest or a missing image fails as in
+// production.
 // The simulated machines have no shell: a command run over SSH is the
 // takeover, except Config.RebootCommand, which reboots the machine as a
 // static inventory's reboot_command does; SFTP keeps file names and sizes,
@@ -51,6 +56,8 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -76,6 +83,9 @@ const idPrefix = "sim-"
 // idWidth is the length of every slot id.
 const idWidth = len(idPrefix) + 6
 
+// defaultMaxImageBytes is Config.MaxImageBytes's default: 1 GiB.
+const defaultMaxImageBytes = 1 << 30
+
 // Config configures a simulated fleet. Zero values mean defaults.
 type Config struct {
 	// Name is the provider name recorded in the BMDB; default "sim".
@@ -89,8 +99,25 @@ type Config struct {
 	TakeoverLatency time.Duration
 	// RebootLatency is how long a rebooting machine is unreachable over SSH.
 	RebootLatency time.Duration
-	// InstallLatency is how long a simulated OS installation takes.
+	// InstallLatency is the least time an OS installation takes: its
+	// report goes out no earlier, even if the real installation code (see
+	// DiskDir) finished sooner.
 	InstallLatency time.Duration
+	// DiskDir is where the simulated disks live that installations write
+	// to: the fleet makes a directory of its own in it when the first
+	// installation starts, with a file per machine and disk an
+	// installation wrote, and removes it when Run returns. Default
+	// os.TempDir().
+	DiskDir string
+	// MaxImageBytes is the largest image an installation accepts (a
+	// larger one fails, as on a real agent); default 1 GiB, so that a
+	// development fleet does not fill the disk.
+	MaxImageBytes int64
+	// InstallConcurrency bounds the installations that download and
+	// write at once, and with them the buffers and staging files they
+	// take; the others wait (and are reported running meanwhile).
+	// Default 8.
+	InstallConcurrency int
 	// HangEvery, if set, hangs one running machine (picked by the seed;
 	// see Hang) every HangEvery while the fleet runs, so that a
 	// development fleet keeps climbing the recovery ladder to its BMCs.
@@ -149,6 +176,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("sim: RebootLatency must be >= 0, got %s", c.RebootLatency)
 	case c.InstallLatency < 0:
 		return fmt.Errorf("sim: InstallLatency must be >= 0, got %s", c.InstallLatency)
+	case c.MaxImageBytes < 0:
+		return fmt.Errorf("sim: MaxImageBytes must be >= 0 (0 = default), got %d", c.MaxImageBytes)
+	case c.InstallConcurrency < 0:
+		return fmt.Errorf("sim: InstallConcurrency must be >= 0 (0 = default), got %d", c.InstallConcurrency)
+	case c.DiskDir != "" && !filepath.IsAbs(c.DiskDir):
+		return fmt.Errorf("sim: DiskDir must be an absolute path, got %q", c.DiskDir)
 	case c.HangEvery < 0:
 		return fmt.Errorf("sim: HangEvery must be >= 0 (0 = never), got %s", c.HangEvery)
 	case c.Connections < 0:
@@ -201,6 +234,9 @@ type slot struct {
 	// machine started, like the real agent's state file: a generation is
 	// never installed twice, not even by the agent of a later takeover.
 	installed int64
+	// interrupted: the agent running installation `installed` stopped
+	// before it finished; the machine's next agent reports it failed.
+	interrupted bool
 	// boot counts everything that ends the machine's running system
 	// (reboot, reinstall, kill), so a takeover that raced with one does
 	// not start an agent on a system that is gone.
@@ -263,6 +299,14 @@ type Fleet struct {
 	// bmcs are the BMCs handed out, by machine: one controller each, kept
 	// so that its pacing holds across callers; guarded by mu.
 	bmcs map[int32]*simBMC
+
+	// disks is the directory of the simulated disks, "" until the first
+	// installation makes it; guarded by mu.
+	disks string
+	// installs are the installation goroutines; installSlots holds a
+	// token for each that downloads or writes (InstallConcurrency).
+	installs     sync.WaitGroup
+	installSlots chan struct{}
 }
 
 // New validates cfg and returns a fleet of cfg.Machines unused slots.
@@ -274,6 +318,9 @@ func New(cfg Config) (*Fleet, error) {
 	cfg.Machines = cmp.Or(cfg.Machines, 50)
 	cfg.Connections = cmp.Or(cfg.Connections, 4)
 	cfg.HeartbeatConcurrency = cmp.Or(cfg.HeartbeatConcurrency, 64)
+	cfg.DiskDir = cmp.Or(cfg.DiskDir, os.TempDir())
+	cfg.MaxImageBytes = cmp.Or(cfg.MaxImageBytes, defaultMaxImageBytes)
+	cfg.InstallConcurrency = cmp.Or(cfg.InstallConcurrency, 8)
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -309,6 +356,8 @@ func New(cfg Config) (*Fleet, error) {
 		wake:     make(chan struct{}, 1),
 		agentKey: ed25519.NewKeyFromSeed(sha256Of("shepherd-sim agent key\x00", seed[:])),
 		bmcs:     map[int32]*simBMC{},
+
+		installSlots: make(chan struct{}, cfg.InstallConcurrency),
 	}
 	if cfg.BMC != nil {
 		f.bmc = newBMCPlan(*cfg.BMC, cfg.Machines, cfg.Seed)
@@ -629,12 +678,13 @@ func (f *Fleet) ReleaseMachine(ctx context.Context, id string) error {
 		s.killed = false
 		f.stats.Killed--
 	}
-	s.rebootUntil, s.installed = 0, 0
+	s.rebootUntil, s.installed, s.interrupted = 0, 0, false
 	s.off, s.powerAt = false, 0 // a fresh device is powered on
 	s.reinstalls++
 	f.stats.Releases++
 	f.mu.Unlock()
 	closeAfter()
+	f.wipeDisks(i)
 	f.log.InfoContext(ctx, "machine released", "provider_id", id)
 	return nil
 }
@@ -765,10 +815,13 @@ type Stats struct {
 	Reboots           int64 // reboots and reinstalls through the provider or RebootCommand, and BMC power-ons
 	RebootsFailed     int64 // reboots and reinstalls refused, and reboot commands that failed
 	RebootsHung       int64 // reboots, reinstalls and reboot commands that hung (RebootHangs)
-	Installations     int64 // installations carried out
-	Releases          int64 // machines released (ReleaseMachine) and free again
-	PowerOffs         int64 // Off commands a simulated BMC carried out (not dropped)
-	PowerOns          int64 // On commands a simulated BMC carried out (not dropped or refused); each boots the machine
+	Installations     int64 // installations that succeeded
+	// InstallationsFailed counts the installations that failed (a bad
+	// image, digest or target); interrupted ones are not counted.
+	InstallationsFailed int64
+	Releases            int64 // machines released (ReleaseMachine) and free again
+	PowerOffs           int64 // Off commands a simulated BMC carried out (not dropped)
+	PowerOns            int64 // On commands a simulated BMC carried out (not dropped or refused); each boots the machine
 }
 
 // Stats returns the fleet's counts.
@@ -819,6 +872,9 @@ type yamlConfig struct {
 	TakeoverLatency      time.Duration `yaml:"takeover_latency"`
 	RebootLatency        time.Duration `yaml:"reboot_latency"`
 	InstallLatency       time.Duration `yaml:"install_latency"`
+	DiskDir              string        `yaml:"disk_dir"`
+	MaxImageBytes        int64         `yaml:"max_image_bytes"`
+	InstallConcurrency   int           `yaml:"install_concurrency"`
 	HangEvery            time.Duration `yaml:"hang_every"`
 	TakeoverFailureRate  float64       `yaml:"takeover_failure_rate"`
 	RebootFailureRate    float64       `yaml:"reboot_failure_rate"`
@@ -849,6 +905,9 @@ func ParseConfig(data []byte) (Config, error) {
 		TakeoverLatency:      y.TakeoverLatency,
 		RebootLatency:        y.RebootLatency,
 		InstallLatency:       y.InstallLatency,
+		DiskDir:              y.DiskDir,
+		MaxImageBytes:        y.MaxImageBytes,
+		InstallConcurrency:   y.InstallConcurrency,
 		HangEvery:            y.HangEvery,
 		TakeoverFailureRate:  y.TakeoverFailureRate,
 		RebootFailureRate:    y.RebootFailureRate,

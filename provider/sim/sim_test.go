@@ -97,6 +97,9 @@ ssh_latency: 10ms
 takeover_latency: 490ms
 reboot_latency: 2s
 install_latency: 1m
+disk_dir: /var/tmp/sim
+max_image_bytes: 1048576
+install_concurrency: 3
 hang_every: 30s
 takeover_failure_rate: 0.1
 reboot_failure_rate: 0.2
@@ -113,6 +116,7 @@ reboot_command: ipmitool power cycle
 	want := sim.Config{
 		Name: "lab", Machines: 1000, SSHLatency: 10 * time.Millisecond, TakeoverLatency: 490 * time.Millisecond,
 		RebootLatency: 2 * time.Second, InstallLatency: time.Minute, HangEvery: 30 * time.Second, TakeoverFailureRate: 0.1, RebootFailureRate: 0.2,
+		DiskDir: "/var/tmp/sim", MaxImageBytes: 1 << 20, InstallConcurrency: 3,
 		SSHFailureRate: 0.05, SharedAgentKey: true, Connections: 8, HeartbeatConcurrency: 32, Seed: 42,
 		RebootCommand: "ipmitool power cycle",
 	}
@@ -122,7 +126,8 @@ reboot_command: ipmitool power cycle
 	if got, err := sim.ParseConfig(nil); err != nil || got != (sim.Config{}) {
 		t.Errorf("ParseConfig(empty) = %+v, %v; want defaults", got, err)
 	}
-	for _, bad := range []string{"machine: 5", "ssh_latency: 10", "machines: -5", "ssh_latency: soon", "machines: [1]", "ssh_failure_rate: 2"} {
+	for _, bad := range []string{"machine: 5", "ssh_latency: 10", "machines: -5", "ssh_latency: soon", "machines: [1]", "ssh_failure_rate: 2",
+		"disk_dir: relative", "max_image_bytes: -1", "install_concurrency: -1"} {
 		if _, err := sim.ParseConfig([]byte(bad)); err == nil {
 			t.Errorf("ParseConfig(%q) accepted it", bad)
 		}

@@ -3,6 +3,8 @@ package sim_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"io"
 	"os"
@@ -211,11 +213,14 @@ func TestRetakeover(t *testing.T) {
 }
 
 // TestInstallation requests an OS installation through the BMDB and waits
-// for the simulated agent to report it.
+// for the simulated agent to carry it out, report it and reboot.
 func TestInstallation(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 100*time.Millisecond)
-	f := startFleet(t, sim.Config{Machines: 1, InstallLatency: 200 * time.Millisecond, RebootLatency: time.Hour})
+	image := testImage()
+	sum := sha256.Sum256(image)
+	srv := imageServer(t, image)
+	f := startFleet(t, sim.Config{Machines: 1, InstallLatency: 200 * time.Millisecond, RebootLatency: time.Hour, DiskDir: t.TempDir()})
 	id := slotID(1)
 	create(t, f, id)
 	machine := e.addMachine(t, f, id)
@@ -223,8 +228,8 @@ func TestInstallation(t *testing.T) {
 	waitHeartbeat(t, f, id, time.Time{}, "first heartbeat")
 
 	req, err := proto.Marshal(&agentv1.OSInstallationRequest{
-		ImageUrl:     "https://images.example/os.img",
-		ImageSha256:  "0000000000000000000000000000000000000000000000000000000000000000",
+		ImageUrl:     srv.URL + "/os.img",
+		ImageSha256:  hex.EncodeToString(sum[:]),
 		TargetDevice: "/dev/nvme0n1",
 		RebootAfter:  true,
 	})
