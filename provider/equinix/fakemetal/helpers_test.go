@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -68,6 +70,83 @@ func newEnv(t *testing.T, cfg Config) *env {
 	t.Cleanup(hc.CloseIdleConnections)
 	t.Cleanup(fake.Close) // first: releases held requests, so ts.Close need not wait
 	return &env{t: t, fake: fake, url: ts.URL, hc: hc}
+}
+
+// pipeListener is a net.Listener of in-memory connections (net.Pipe). Its
+// connections block on channels, which testing/synctest treats as durably
+// blocked, so a fake served over it runs in a bubble on virtual time; a
+// socket would keep the bubble's clock from ever moving.
+type pipeListener struct {
+	conns  chan net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+func newPipeListener() *pipeListener {
+	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
+}
+
+func (l *pipeListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *pipeListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return nil
+}
+
+func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
+
+// dial connects to the listener.
+func (l *pipeListener) dial(ctx context.Context, _, _ string) (net.Conn, error) {
+	client, server := net.Pipe()
+	select {
+	case l.conns <- server:
+		return client, nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+type pipeAddr struct{}
+
+func (pipeAddr) Network() string { return "pipe" }
+func (pipeAddr) String() string  { return "pipe" }
+
+// newPipeEnv is newEnv over in-memory connections, for tests that run in a
+// testing/synctest bubble (call it inside the bubble).
+func newPipeEnv(t *testing.T, cfg Config) *env {
+	t.Helper()
+	if cfg.Token == "" {
+		cfg.Token = testToken
+	}
+	fake, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	l := newPipeListener()
+	srv := &http.Server{Handler: fake}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	hc := &http.Client{Transport: &http.Transport{DialContext: l.dial}}
+	t.Cleanup(func() {
+		fake.Close()
+		hc.CloseIdleConnections()
+		if err := srv.Close(); err != nil {
+			t.Errorf("closing the server: %v", err)
+		}
+		if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+			t.Errorf("serving: %v", err)
+		}
+	})
+	return &env{t: t, fake: fake, url: "http://fakemetal.invalid", hc: hc}
 }
 
 type reply struct {
