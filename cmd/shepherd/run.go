@@ -167,7 +167,7 @@ func newRunCommand() *cobra.Command {
 				return fmt.Errorf("--data-dir is required (it keeps the SSH key and the development CA)")
 			}
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
-			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
+			cfg.SSHKeyFile = sshKeyFile(dataDir)
 			cfg.Initializer.AgentPath = agentPath
 			if agentPath == "" {
 				cfg.Initializer.AgentPath = defaultAgentPath()
