@@ -19,10 +19,6 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 			"history row naming who asked and why (SPEC §2.5).",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := parseMachineID(args[0])
-			if err != nil {
-				return err
-			}
 			if process == "" {
 				return errors.New("--process is required: the process whose backoff to clear")
 			}
@@ -35,6 +31,10 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[0])
+			if err != nil {
+				return err
+			}
 			if _, err := db.GetMachine(cmd.Context(), id); errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)
 			} else if err != nil {
