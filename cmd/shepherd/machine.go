@@ -107,6 +107,19 @@ func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, er
 	return uuid.Nil, fmt.Errorf("no machine has the id or provider id %q (a machine id is a UUID; a provider id is as machine list shows it, or provider/id)", arg)
 }
 
+// parseState parses --state: a derived state as machine list shows it.
+func parseState(s string) (bmdb.MachineState, error) {
+	st := bmdb.MachineState(s)
+	if st.Validate() != nil {
+		names := make([]string, 0, len(bmdb.MachineStates()))
+		for _, k := range bmdb.MachineStates() {
+			names = append(names, string(k))
+		}
+		return "", fmt.Errorf("--state %q is not a machine state: use one of %s", s, strings.Join(names, ", "))
+	}
+	return st, nil
+}
+
 // parseProcess parses --process.
 func parseProcess(s string) (bmdb.Process, error) {
 	p := bmdb.Process(s)
