@@ -78,7 +78,7 @@ var p8Rungs = ladder.Default
 // started machine silent at once is what P8 is) and MaxRebootsPerWindow a
 // restart per rung per machine. The initializer's backoff is 500 ms: a
 // machine's first takeover attempt comes while it still boots, and the
-// default 5 min backoff would measure that, not the recovery (the figure
+// default backoff (5 s, doubling) would measure that, not the recovery (the figure
 // prints how many attempts found a machine booting).
 func benchBMCRecovery(ctx context.Context, e *env) error {
 	url, err := e.database(ctx, "p8")

@@ -30,10 +30,14 @@ type BackoffPolicy struct {
 	MaxAttempts int
 }
 
-// AgentStartBackoff is the default policy of agent start: 5 min, ×1.2, up to
-// 4 h; quarantined after 20 failures in a row (about two days of trying).
+// AgentStartBackoff is the default policy of agent start: 5 s, doubling,
+// up to 4 h; quarantined after 20 failures in a row (about a day and a half
+// of trying). The first retries come within seconds, so that an operator
+// who fixed what failed (a key missing from authorized_keys, a wrong
+// --agent-dir or --ssh-user) sees the machine taken over at once; the wait
+// reaches 5 min by the 7th failure and the cap by the 13th.
 func AgentStartBackoff() BackoffPolicy {
-	return BackoffPolicy{Initial: 5 * time.Minute, Maximum: 4 * time.Hour, Exponent: 1.2, MaxAttempts: 20}
+	return BackoffPolicy{Initial: 5 * time.Second, Maximum: 4 * time.Hour, Exponent: 2, MaxAttempts: 20}
 }
 
 // RecoveryBackoff is the default policy of recovery: 1 min, ×1.2, up to 1 h;

@@ -25,7 +25,8 @@ func TestBackoffPolicyNext(t *testing.T) {
 		want   []time.Duration // intervals of failures 1, 2, 3, ...
 	}{
 		{"agent start default", bmdb.AgentStartBackoff(),
-			[]time.Duration{300 * s, 360 * s, 432 * s, 519 * s, 623 * s, 748 * s}},
+			[]time.Duration{5 * s, 10 * s, 20 * s, 40 * s, 80 * s, 160 * s, 320 * s, 640 * s, 1280 * s, 2560 * s, 5120 * s, 10240 * s,
+				4 * time.Hour, 4 * time.Hour}},
 		{"recovery default", bmdb.RecoveryBackoff(),
 			[]time.Duration{60 * s, 72 * s, 87 * s, 105 * s, 126 * s}},
 		{"rounds up to whole seconds so it always grows", bmdb.BackoffPolicy{Initial: s, Exponent: 1.1},
@@ -308,7 +309,7 @@ func TestJitterSpreadsRetries(t *testing.T) {
 
 func TestParseBackoff(t *testing.T) {
 	t.Parallel()
-	p, err := bmdb.ParseBackoff(" 5m, 4h ,1.2,20")
+	p, err := bmdb.ParseBackoff(" 5s, 4h ,2,20")
 	if err != nil {
 		t.Fatal(err)
 	}

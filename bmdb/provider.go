@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // AcquireProviderLease gives the session the provisioning lease of
@@ -462,6 +463,36 @@ func (db *DB) MachineByProviderID(ctx context.Context, provider, providerID stri
 		return uuid.Nil, fmt.Errorf("bmdb: finding machine %s/%s: %w", provider, providerID, err)
 	}
 	return id, nil
+}
+
+// MachineRef names a machine by its id and by its provider's id for it.
+type MachineRef struct {
+	MachineID            uuid.UUID
+	Provider, ProviderID string
+	// Decommissioned: the machine left the fleet; Provider and ProviderID
+	// are what its Provided tag said.
+	Decommissioned bool
+}
+
+// MachinesWithProviderID returns the machines, live and decommissioned,
+// whose provider id is providerID at any provider, by provider; none is no
+// error. A provider id is unique within its provider only, so there may be
+// several.
+func (db *DB) MachinesWithProviderID(ctx context.Context, providerID string) ([]MachineRef, error) {
+	if !safetext.Storable(providerID) {
+		// No stored provider id holds a NUL or invalid UTF-8, and
+		// PostgreSQL would refuse the parameter.
+		return nil, nil
+	}
+	rows, err := db.q.MachinesWithProviderID(ctx, providerID)
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: finding machines with provider id %q: %w", safetext.Cut(providerID, 128), err)
+	}
+	refs := make([]MachineRef, len(rows))
+	for i, r := range rows {
+		refs[i] = MachineRef{MachineID: r.MachineID, Provider: r.Provider, ProviderID: providerID, Decommissioned: r.Decommissioned}
+	}
+	return refs, nil
 }
 
 // MaxListingAcceptance bounds how long an operator's acceptance of a

@@ -395,6 +395,29 @@ func (db *DB) GetBackoff(ctx context.Context, machine uuid.UUID, process Process
 	}, nil
 }
 
+// Backoffs returns every backoff and quarantine of process, by machine
+// (ended backoffs too, until the next success or reset deletes them).
+func (db *DB) Backoffs(ctx context.Context, process Process) (map[uuid.UUID]Backoff, error) {
+	if err := process.Validate(); err != nil {
+		return nil, err
+	}
+	rows, err := db.q.BackoffListOfProcess(ctx, string(process))
+	if err != nil {
+		return nil, fmt.Errorf("bmdb: listing backoffs of %s: %w", process, err)
+	}
+	out := make(map[uuid.UUID]Backoff, len(rows))
+	for _, r := range rows {
+		out[r.MachineID] = Backoff{
+			Interval:    time.Duration(r.LastIntervalMs) * time.Millisecond,
+			Until:       r.BackoffUntil,
+			Attempts:    int(r.Attempts),
+			Quarantined: r.QuarantinedAt != nil,
+			Cause:       r.Cause,
+		}
+	}
+	return out, nil
+}
+
 // ResetBackoff clears the backoff and any quarantine of (machine, process)
 // and writes history Reset with cause (who asked, and why), so the machine is
 // a candidate again. It returns ErrNotFound if there was nothing to reset.

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pkg/sftp"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/crypto/ssh"
 
@@ -41,7 +42,8 @@ type AgentStopConfig struct {
 	// SSHUser logs in unless the provider names another user; default root.
 	SSHUser string
 	// AgentDir is the remote directory of the agent, as
-	// InitializerConfig.AgentDir; default /var/lib/shepherd-agent.
+	// InitializerConfig.AgentDir, with the same default (RootAgentDir for
+	// root, else HomeAgentDir under the SSH user's home).
 	AgentDir string
 	// Timeout bounds dialing and stopping together; default 1m.
 	Timeout time.Duration
@@ -52,9 +54,6 @@ type AgentStopConfig struct {
 func (c AgentStopConfig) Validate() error {
 	if c.SSHKey == nil {
 		return errors.New("decommissioner: AgentStop.SSHKey is required")
-	}
-	if c.AgentDir != "" && !path.IsAbs(c.AgentDir) {
-		return fmt.Errorf("decommissioner: AgentStop.AgentDir must be an absolute path, got %q", c.AgentDir)
 	}
 	if c.Timeout < 0 {
 		return fmt.Errorf("decommissioner: AgentStop.Timeout must be >= 0 (0 = default 1m), got %s", c.Timeout)
@@ -118,7 +117,6 @@ func NewDecommissioner(cfg DecommissionerConfig, db *bmdb.DB, p provider.Provide
 	if cfg.AgentStop != nil {
 		as := *cfg.AgentStop // a copy: the caller's value is untouched
 		as.SSHUser = cmp.Or(as.SSHUser, "root")
-		as.AgentDir = cmp.Or(as.AgentDir, "/var/lib/shepherd-agent")
 		as.Timeout = cmp.Or(as.Timeout, time.Minute)
 		cfg.AgentStop = &as
 	}
@@ -225,9 +223,7 @@ func (d *Decommissioner) stopAgent(ctx context.Context, t *Task) {
 	target.HostKey = trust.inForce
 	sctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
-	dir := expandAgentDir(cfg.AgentDir, t.Machine)
-	cmd := strings.Join([]string{shellQuote(path.Join(dir, "shepherd-agent")), "stop", "--state-dir", shellQuote(path.Join(dir, "state"))}, " ")
-	if err := runOverSSH(sctx, target, cmd); err != nil {
+	if err := stopOverSSH(sctx, target, agentDir(cfg.AgentDir, target.User, t.Machine)); err != nil {
 		d.stops.WithLabelValues("failed").Inc()
 		t.Log.WarnContext(ctx, "stopping the agent over SSH failed; it stops at its next heartbeat", "err", err)
 		return
@@ -236,14 +232,29 @@ func (d *Decommissioner) stopAgent(ctx context.Context, t *Task) {
 	t.Log.InfoContext(ctx, "agent stopped over SSH")
 }
 
-// runOverSSH runs cmd on target; ctx bounds everything, even a machine
-// that goes silent.
-func runOverSSH(ctx context.Context, target sshx.Target, cmd string) error {
+// stopOverSSH runs shepherd-agent stop in the agent directory dir on
+// target, resolving a relative dir as the initializer did; ctx bounds
+// everything, even a machine that goes silent.
+func stopOverSSH(ctx context.Context, target sshx.Target, dir string) error {
 	client, err := sshx.Dial(ctx, target)
 	if err != nil {
 		return fmt.Errorf("connecting to %s: %w", target.Addr, err)
 	}
 	defer client.Close()
+	stop := sshx.CloseWhenDone(ctx, client)
+	defer stop()
+	if !path.IsAbs(dir) {
+		sc, err := sftp.NewClient(client)
+		if err != nil {
+			return fmt.Errorf("starting SFTP: %w", err)
+		}
+		dir, err = resolveAgentDir(sc, dir)
+		sc.Close()
+		if err != nil {
+			return err
+		}
+	}
+	cmd := strings.Join([]string{shellQuote(path.Join(dir, "shepherd-agent")), "stop", "--state-dir", shellQuote(path.Join(dir, "state"))}, " ")
 	_, err = sshx.Run(ctx, client, cmd, nil, 64<<10)
 	return err
 }

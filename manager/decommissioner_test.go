@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/user"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -472,4 +474,77 @@ func closedPort(t *testing.T) int {
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
 	return port
+}
+
+// TestAgentDirUnderHome: a relative agent directory (the default one of an
+// SSH user other than root is .local/state/shepherd-agent) lies under the
+// SSH user's home: the initializer uploads the agent there and gives it an
+// absolute state directory, and the decommissioner stops it with that very
+// directory. (The tests' servers let only the user running them in, root in
+// CI, so the directory is made relative to that user's home here.)
+func TestAgentDirUnderHome(t *testing.T) {
+	t.Parallel()
+	forEachSSHKind(t, func(t *testing.T, kind sshtest.Kind) {
+		key := sshtest.NewKey(t)
+		hosts := sshtest.Start(t, 1, sshtest.Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})
+		f := newSSHFixture(t, hosts, key, `machines:
+  - {id: m1, address: HOST_0, port: PORT_0}
+`)
+		// stoppableAgent that records its takeover's arguments too.
+		agent := strings.Replace(stoppableAgent, "takeover) ", `takeover) echo "$@" >"$(dirname "$3")/started"; `, 1)
+		if err := os.WriteFile(f.agent, []byte(agent), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		// OpenSSH starts SFTP and commands in the user's home; the
+		// in-process server in the host's directory.
+		home := hosts[0].Dir
+		if kind == sshtest.OpenSSH {
+			u, err := user.Current()
+			if err != nil {
+				t.Fatal(err)
+			}
+			home = u.HomeDir
+		}
+		rel, err := filepath.Rel(home, f.agents)
+		if err != nil || filepath.IsAbs(rel) {
+			t.Fatalf("%s relative to %s: %q, %v", f.agents, home, rel, err)
+		}
+		f.agentDir = filepath.Join(rel, "{provider_id}")
+		f.startInitializer()
+		if started, cause := f.takeover("m1", 0); !started {
+			t.Fatalf("agent start with AgentDir %s: %s", f.agentDir, cause)
+		}
+		if fi, err := os.Stat(filepath.Join(f.agents, "m1", "shepherd-agent")); err != nil || fi.Mode()&0o111 == 0 {
+			t.Fatalf("the agent was not uploaded under the home directory: %v", err)
+		}
+		if got, err := os.ReadFile(filepath.Join(f.agents, "m1", "started")); err != nil ||
+			string(got) != "takeover --state-dir "+filepath.Join(f.agents, "m1", "state")+"\n" {
+			t.Errorf("the agent's takeover was run with %q (%v), want an absolute --state-dir under the home directory", got, err)
+		}
+
+		d, err := manager.NewDecommissioner(manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
+			SSHKey: key, SSHUser: hosts[0].User, AgentDir: f.agentDir, Timeout: 20 * time.Second,
+		}}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- d.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("decommissioner: %v", err)
+			}
+		})
+		requestDecommission(t, f.db, f.machines["m1"])
+		waitDecommissioned(t, f.db, f.machines["m1"])
+		got, err := os.ReadFile(filepath.Join(f.agents, "m1", "stopped"))
+		if err != nil {
+			t.Fatalf("the agent was not stopped: %v", err)
+		}
+		if want := "stop --state-dir " + filepath.Join(f.agents, "m1", "state") + "\n"; string(got) != want {
+			t.Errorf("the agent was stopped with %q, want %q (the absolute directory it was started in)", got, want)
+		}
+	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -130,9 +131,23 @@ func TestDefaults(t *testing.T) {
 	}
 	cmpKeys := cmp.Comparer(func(a, b ssh.Signer) bool { return a == b })
 	if diff := cmp.Diff(InitializerConfig{ConnectTimeout: 30 * time.Second, ExecTimeout: 2 * time.Minute, SSHUser: "root",
-		SSHKey: key, AgentPath: agent, AgentDir: "/var/lib/shepherd-agent", ServerEndpoint: "server:443",
+		SSHKey: key, AgentPath: agent, ServerEndpoint: "server:443",
 		Backoff: bmdb.AgentStartBackoff()}, in.cfg, cmpKeys); diff != "" {
 		t.Errorf("initializer defaults (-want +got):\n%s", diff)
+	}
+	// A failed takeover is retried within seconds at first, so that fixing
+	// a configuration error (a key, --agent-dir, --ssh-user) shows at once;
+	// the waits then grow to hours.
+	var waits []time.Duration
+	for last, i := time.Duration(0), 0; i < 14; i++ {
+		last = in.cfg.Backoff.Next(last)
+		waits = append(waits, last)
+	}
+	if want := []time.Duration{5 * time.Second, 10 * time.Second, 20 * time.Second, 40 * time.Second, 80 * time.Second}; !slices.Equal(waits[:5], want) {
+		t.Errorf("the initializer's first waits after failed takeovers are %v, want %v", waits[:5], want)
+	}
+	if waits[13] != 4*time.Hour || in.cfg.Backoff.MaxAttempts != 20 {
+		t.Errorf("the initializer's waits grow to %v and quarantine after %d failures, want 4h and 20", waits[13], in.cfg.Backoff.MaxAttempts)
 	}
 	iset := InitializerConfig{ConnectTimeout: time.Second, ExecTimeout: time.Minute, SSHUser: "admin", SSHKey: key, AgentPath: agent,
 		AgentDir: "/opt/agent", ServerEndpoint: "server:443", Backoff: bmdb.BackoffPolicy{Initial: time.Second}}
@@ -149,7 +164,7 @@ func TestDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	if diff := cmp.Diff(DecommissionerConfig{ReleaseTimeout: 5 * time.Minute, Backoff: bmdb.DecommissionBackoff(),
-		AgentStop: &AgentStopConfig{SSHKey: key, SSHUser: "root", AgentDir: "/var/lib/shepherd-agent", Timeout: time.Minute}}, d.cfg, cmpKeys); diff != "" {
+		AgentStop: &AgentStopConfig{SSHKey: key, SSHUser: "root", Timeout: time.Minute}}, d.cfg, cmpKeys); diff != "" {
 		t.Errorf("decommissioner defaults (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(&AgentStopConfig{SSHKey: key}, stop, cmpKeys); diff != "" {

@@ -43,8 +43,11 @@ type InitializerConfig struct {
 	// AgentPath is the local agent binary uploaded to every machine; required.
 	AgentPath string
 	// AgentDir is the remote directory of the agent binary and its state;
-	// "{provider_id}" and "{machine_id}" in it are replaced. Default
-	// /var/lib/shepherd-agent.
+	// "{provider_id}" and "{machine_id}" in it are replaced. A relative
+	// path is relative to the SSH user's home directory. Default
+	// RootAgentDir when the machine's SSH user is root, else HomeAgentDir
+	// (under the user's home), so that an unprivileged user can take
+	// machines over too.
 	AgentDir string
 	// AgentArgs are extra arguments to the agent's takeover mode.
 	AgentArgs []string
@@ -74,9 +77,6 @@ func (c InitializerConfig) Validate() error {
 	}
 	if c.ServerEndpoint == "" {
 		return errors.New("initializer: ServerEndpoint (where agents send heartbeats) is required")
-	}
-	if c.AgentDir != "" && !path.IsAbs(c.AgentDir) {
-		return fmt.Errorf("initializer: AgentDir must be an absolute path, got %q", c.AgentDir)
 	}
 	if _, _, err := net.SplitHostPort(c.ServerEndpoint); err != nil {
 		return fmt.Errorf("initializer: ServerEndpoint %q is not host:port", c.ServerEndpoint)
@@ -110,7 +110,6 @@ func NewInitializer(cfg InitializerConfig, db *bmdb.DB, p provider.Provider, reg
 	cfg.ConnectTimeout = cmp.Or(cfg.ConnectTimeout, 30*time.Second)
 	cfg.ExecTimeout = cmp.Or(cfg.ExecTimeout, 2*time.Minute)
 	cfg.SSHUser = cmp.Or(cfg.SSHUser, "root")
-	cfg.AgentDir = cmp.Or(cfg.AgentDir, "/var/lib/shepherd-agent")
 	if cfg.Backoff == (bmdb.BackoffPolicy{}) {
 		cfg.Backoff = bmdb.AgentStartBackoff()
 	}
@@ -167,9 +166,22 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	case err != nil:
 		return nil, fmt.Errorf("not taking over: %w", err)
 	}
-	dir := expandAgentDir(in.cfg.AgentDir, t.Machine)
+	sc, err := sftp.NewClient(client)
+	if err != nil {
+		if ectx.Err() != nil {
+			return nil, fmt.Errorf("starting SFTP: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
+		}
+		return nil, fmt.Errorf("starting SFTP: %w", err)
+	}
+	dir, err := resolveAgentDir(sc, agentDir(in.cfg.AgentDir, target.User, t.Machine))
+	if err != nil {
+		sc.Close()
+		return nil, err
+	}
 	bin := path.Join(dir, "shepherd-agent")
-	if err := upload(client, in.cfg.AgentPath, bin); err != nil {
+	err = upload(sc, in.cfg.AgentPath, bin)
+	sc.Close()
+	if err != nil {
 		if ectx.Err() != nil {
 			return nil, fmt.Errorf("uploading the agent: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
 		}
@@ -230,17 +242,12 @@ func checkTakeover(stdout []byte, sent *agentv1.TakeoverInit) (ed25519.PublicKey
 // upload copies the local file to remote with SFTP: to a temporary name
 // first, then renamed over remote, so a running agent's binary (which can
 // not be overwritten in place) is replaced atomically.
-func upload(client *ssh.Client, local, remote string) error {
+func upload(sc *sftp.Client, local, remote string) error {
 	src, err := os.Open(local)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	sc, err := sftp.NewClient(client)
-	if err != nil {
-		return fmt.Errorf("starting SFTP: %w", err)
-	}
-	defer sc.Close()
 	if err := sc.MkdirAll(path.Dir(remote)); err != nil {
 		return fmt.Errorf("creating %s: %w", path.Dir(remote), err)
 	}
@@ -273,6 +280,45 @@ func upload(client *ssh.Client, local, remote string) error {
 		}
 	}
 	return nil
+}
+
+// RootAgentDir is the agent's directory on a machine whose SSH user is
+// root, unless configured otherwise.
+const RootAgentDir = "/var/lib/shepherd-agent"
+
+// HomeAgentDir is the agent's directory on a machine whose SSH user is not
+// root, unless configured otherwise: relative to the user's home, where
+// such a user may write (XDG's state directory).
+const HomeAgentDir = ".local/state/shepherd-agent"
+
+// agentDir is the agent's directory on machine m, reached as user: the
+// configured one with m's ids in it, else the default for user. A relative
+// result is relative to the user's home (resolveAgentDir).
+func agentDir(configured, user string, m bmdb.ProvidedMachine) string {
+	if configured != "" {
+		return expandAgentDir(configured, m)
+	}
+	if user == "root" {
+		return RootAgentDir
+	}
+	return HomeAgentDir
+}
+
+// resolveAgentDir makes dir absolute: a relative dir is taken relative to
+// the SSH user's home, which is the SFTP server's working directory (as it
+// is a command's), since the agent needs an absolute state directory.
+func resolveAgentDir(sc *sftp.Client, dir string) (string, error) {
+	if path.IsAbs(dir) {
+		return dir, nil
+	}
+	home, err := sc.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("finding the SSH user's home directory for the agent directory %s: %w", dir, err)
+	}
+	if !path.IsAbs(home) {
+		return "", fmt.Errorf("the SSH user's home directory %q is not an absolute path (agent directory %s)", home, dir)
+	}
+	return path.Join(home, dir), nil
 }
 
 func expandAgentDir(dir string, m bmdb.ProvidedMachine) string {

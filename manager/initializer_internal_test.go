@@ -89,6 +89,18 @@ func TestRemotePaths(t *testing.T) {
 	if got, want := expandAgentDir("/var/lib/{provider_id}/{machine_id}", m), "/var/lib/rack_m1/"+id.String(); got != want {
 		t.Errorf("expandAgentDir() = %q, want %q", got, want)
 	}
+	for _, c := range []struct{ configured, user, want string }{
+		{"", "root", "/var/lib/shepherd-agent"},
+		{"", "admin", ".local/state/shepherd-agent"}, // under admin's home
+		{"", "", ".local/state/shepherd-agent"},
+		{"/opt/{provider_id}", "admin", "/opt/rack_m1"},
+		{"/opt/{provider_id}", "root", "/opt/rack_m1"},
+		{"agents/{machine_id}", "root", "agents/" + id.String()},
+	} {
+		if got := agentDir(c.configured, c.user, m); got != c.want {
+			t.Errorf("agentDir(%q, %q) = %q, want %q", c.configured, c.user, got, c.want)
+		}
+	}
 	if got, want := strings.Join(quoteAll([]string{"plain", "it's", "", "$(rm -rf /)"}), " "), `'plain' 'it'\''s' '' '$(rm -rf /)'`; got != want {
 		t.Errorf("quoteAll() = %s, want %s", got, want)
 	}

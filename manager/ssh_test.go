@@ -1,6 +1,7 @@
 package manager_test
 
 import (
+	"cmp"
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
@@ -39,12 +40,14 @@ const agentEndpoint = "127.0.0.1:1"
 // (sshtest), recorded in the BMDB by a provisioner pass, with the
 // initializer's key and the fake agent ready.
 type sshFixture struct {
-	t        *testing.T
-	db       *bmdbtest.DB
-	key      ssh.Signer
-	p        *static.Provider
-	agents   string // the agent directory of machine X is agents/X
-	agent    string // the fake agent binary
+	t      *testing.T
+	db     *bmdbtest.DB
+	key    ssh.Signer
+	p      *static.Provider
+	agents string // the agent directory of machine X is agents/X
+	agent  string // the fake agent binary
+	// agentDir is the initializer's AgentDir; "" means agents/{provider_id}.
+	agentDir string
 	machines map[string]uuid.UUID
 }
 
@@ -136,7 +139,7 @@ func (f *sshFixture) startInitializerWithTimeout(exec time.Duration) {
 	in, err := manager.NewInitializer(manager.InitializerConfig{
 		Loop:           manager.LoopConfig{IdleSleep: 50 * time.Millisecond, Lease: 15 * time.Second},
 		ConnectTimeout: 20 * time.Second, ExecTimeout: exec,
-		SSHKey: f.key, AgentPath: f.agent, AgentDir: filepath.Join(f.agents, "{provider_id}"),
+		SSHKey: f.key, AgentPath: f.agent, AgentDir: cmp.Or(f.agentDir, filepath.Join(f.agents, "{provider_id}")),
 		ServerEndpoint: agentEndpoint, Backoff: bmdb.BackoffPolicy{Initial: time.Hour},
 	}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
 	if err != nil {

@@ -169,7 +169,17 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 		d.HistoryNext = fmt.Sprintf("/machines/%s?history_after=%d#history", id, d.History[historyPage-1].ID)
 	}
 	log.DebugContext(ctx, "machine page", "history_rows", len(d.History))
-	return &view{Title: "Machine " + id.String(), Nav: "machines", Refresh: s.refreshSeconds(), Data: d}, nil
+	return &view{Title: machineTitle(m.MachineSummary), Nav: "machines", Refresh: s.refreshSeconds(), Data: d}, nil
+}
+
+// machineTitle names a machine as operators know it: by its provider id
+// and provider ("Machine m3 (static)"), the UUID being on the page below;
+// by its UUID if it has no provider id.
+func machineTitle(m bmdb.MachineSummary) string {
+	if m.ProviderID == "" {
+		return "Machine " + m.MachineID.String()
+	}
+	return fmt.Sprintf("Machine %s (%s)", m.ProviderID, m.Provider)
 }
 
 func firmwareName(m agentv1.FirmwareMode) string {

@@ -26,7 +26,15 @@ type listData struct {
 	NextURL   string
 	FirstURL  string
 	FirstPage bool
+	// Sort is the order: "" (machine id) or sortProviderID. SortURLs are
+	// the first page of this filter in each order, by order.
+	Sort     string
+	SortURLs map[string]string
 }
+
+// sortProviderID is ?sort= of the list in provider id order (by provider,
+// then provider id), paged by ?after_provider=, ?after_pid= and ?after=.
+const sortProviderID = "provider-id"
 
 // maxFilterLength bounds a filter value: longer ones cannot match anything
 // (provider ids are at most 128 bytes) and only cost the database.
@@ -34,7 +42,9 @@ const maxFilterLength = 256
 
 // machineList serves the machine list: filtered by state, provider and
 // location, searched by id, provider id or IP, a page at a time in id
-// order (keyset pagination: ?after=ID continues after that machine).
+// order (keyset pagination: ?after=ID continues after that machine), or
+// with ?sort=provider-id by provider and provider id (?after_provider=,
+// ?after_pid= and ?after= continue after that machine).
 func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, error) {
 	q := r.URL.Query()
 	d := &listData{
@@ -52,6 +62,10 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 			return nil, badRequest("a filter value is longer than %d bytes", maxFilterLength)
 		}
 	}
+	d.Sort = q.Get("sort")
+	if d.Sort != "" && d.Sort != sortProviderID {
+		return nil, badRequest("sort=%q is not an order: use %s, or nothing for machine id order", d.Sort, sortProviderID)
+	}
 	var after uuid.UUID
 	if a := q.Get("after"); a != "" {
 		var err error
@@ -68,12 +82,21 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 		HeartbeatTimeout:      s.cfg.HeartbeatTimeout,
 		IncludeDecommissioned: d.Decom || d.State == string(bmdb.StateDecommissioned),
 	}
+	cursor := bmdb.ProviderIDCursor{Provider: q.Get("after_provider"), ProviderID: q.Get("after_pid"), MachineID: after}
+	if len(cursor.Provider) > maxFilterLength || len(cursor.ProviderID) > maxFilterLength {
+		return nil, badRequest("the page cursor is longer than %d bytes", maxFilterLength)
+	}
 	// The page and the count are independent statements that each scan
 	// the fleet when filtered: run them side by side.
 	var next uuid.UUID
+	var nextCursor bmdb.ProviderIDCursor
 	g, gctx := errgroup.WithContext(r.Context())
 	g.Go(func() error {
 		var err error
+		if d.Sort == sortProviderID {
+			d.Machines, nextCursor, err = s.db.ListMachinesByProviderID(gctx, f, cursor, s.cfg.PageSize)
+			return err
+		}
 		d.Machines, next, err = s.db.ListMachines(gctx, f, after, s.cfg.PageSize)
 		return err
 	})
@@ -85,7 +108,7 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 	if err := g.Wait(); err != nil {
 		return nil, listError(err)
 	}
-	d.FirstPage = after == uuid.Nil
+	d.FirstPage = after == uuid.Nil && cursor.IsZero()
 	base := url.Values{}
 	for k, v := range map[string]string{"state": d.State, "provider": d.Provider, "location": d.Location, "q": d.Search} {
 		if v != "" {
@@ -95,11 +118,29 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 	if d.Decom {
 		base.Set("decommissioned", "on")
 	}
-	d.FirstURL = "/machines"
-	if len(base) > 0 {
-		d.FirstURL += "?" + base.Encode()
+	d.SortURLs = map[string]string{}
+	for _, order := range []string{"", sortProviderID} {
+		base.Del("sort")
+		if order != "" {
+			base.Set("sort", order)
+		}
+		d.SortURLs[order] = "/machines"
+		if len(base) > 0 {
+			d.SortURLs[order] += "?" + base.Encode()
+		}
 	}
-	if next != uuid.Nil {
+	base.Del("sort")
+	if d.Sort != "" {
+		base.Set("sort", d.Sort)
+	}
+	d.FirstURL = d.SortURLs[d.Sort]
+	switch {
+	case d.Sort == sortProviderID && !nextCursor.IsZero():
+		base.Set("after_provider", nextCursor.Provider)
+		base.Set("after_pid", nextCursor.ProviderID)
+		base.Set("after", nextCursor.MachineID.String())
+		d.NextURL = "/machines?" + base.Encode()
+	case next != uuid.Nil:
 		base.Set("after", next.String())
 		d.NextURL = "/machines?" + base.Encode()
 	}

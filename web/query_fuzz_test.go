@@ -40,6 +40,8 @@ func FuzzPageQuery(f *testing.F) {
 		"process=AgentStart", "process=Nope", "dead=on",
 		"q=%00", "provider=%FF%FE", "location=a%00b", "q=1.2.3.4%25eth0", "q=::ffff:10.1.2.3", "q=%5C%25_",
 		"state=Healthy&state=Silent", "q=%", "a=%zz&state=Healthy", ";;&&==",
+		"sort=provider-id", "sort=provider-id&after_provider=sim&after_pid=sim-1&after=" + fl.healthy[0].String(),
+		"sort=provider-id&after_provider=%00", "sort=provider-id&after_pid=%FF", "sort=nope",
 	} {
 		f.Add(uint8(0), q)
 	}

@@ -433,6 +433,138 @@ func (q *Queries) MachineListAll(ctx context.Context, arg MachineListAllParams) 
 	return items, nil
 }
 
+const machineListByProviderID = `-- name: MachineListByProviderID :many
+WITH listed AS (
+    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_id::text AS provider_id,
+           s.provider_location::text AS provider_location, s.provider_ip_address::inet AS provider_ip_address,
+           s.state::text AS state
+    FROM machine_states($1::bigint, $2::bigint) s
+    UNION ALL
+    SELECT d.machine_id, d.provider, d.provider_id, d.provider_location, NULL::inet, 'Decommissioned'
+    FROM decommissioned_machines d
+    WHERE $3::boolean
+),
+page AS (
+    SELECT l.machine_id, l.state, l.provider, l.provider_id
+    FROM listed l
+    WHERE (l.provider, l.provider_id, l.machine_id) > ($4::text, $5::text, $6::uuid)
+      AND ($7::text = '' OR l.state = $7::text)
+      AND ($8::text = '' OR l.provider = $8::text)
+      AND ($9::text = '' OR l.provider_location = $9::text)
+      AND ($10::text = ''
+           OR l.machine_id BETWEEN $11::uuid AND $12::uuid
+           OR l.provider_ip_address = $13::inet
+           OR l.provider_ip_address <<= $14::cidr
+           OR l.provider_id ILIKE $15::text
+           OR starts_with(host(l.provider_ip_address), $16::text))
+    ORDER BY l.provider, l.provider_id, l.machine_id
+    LIMIT $17::integer
+)
+SELECT pg.machine_id, pg.state,
+       COALESCE(p.provider, d.provider, '')::text AS provider,
+       COALESCE(p.provider_id, d.provider_id, '')::text AS provider_id,
+       COALESCE(p.provider_location, d.provider_location, '')::text AS provider_location,
+       p.provider_ip_address,
+       COALESCE(p.provider_status, '')::text AS provider_status,
+       s.agent_started_at, h.agent_heartbeat_at, m.decommissioned_at
+FROM page pg
+JOIN machines m ON m.machine_id = pg.machine_id
+LEFT JOIN machine_provided p ON p.machine_id = pg.machine_id
+LEFT JOIN decommissioned_machines d ON d.machine_id = pg.machine_id
+LEFT JOIN machine_agent_started s ON s.machine_id = pg.machine_id
+LEFT JOIN machine_agent_heartbeat h ON h.machine_id = pg.machine_id
+ORDER BY pg.provider, pg.provider_id, pg.machine_id
+`
+
+type MachineListByProviderIDParams struct {
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+	IncludeDecommissioned   bool
+	AfterProvider           string
+	AfterProviderID         string
+	After                   uuid.UUID
+	State                   string
+	Provider                string
+	Location                string
+	Search                  string
+	SearchIDFrom            uuid.NullUUID
+	SearchIDTo              uuid.NullUUID
+	SearchIp                *netip.Addr
+	SearchNet               *netip.Prefix
+	SearchPattern           string
+	SearchIpPrefix          *string
+	RowLimit                int32
+}
+
+type MachineListByProviderIDRow struct {
+	MachineID         uuid.UUID
+	State             string
+	Provider          string
+	ProviderID        string
+	ProviderLocation  string
+	ProviderIPAddress *netip.Addr
+	ProviderStatus    string
+	AgentStartedAt    *time.Time
+	AgentHeartbeatAt  *time.Time
+	DecommissionedAt  *time.Time
+}
+
+// MachineListByProviderID is a page of the machine list, filtered as
+// MachineListInState (state ” for any), in provider id order: by
+// provider, provider id and machine id, from the machine after the cursor
+// (@after_provider, @after_provider_id, @after; a provider is never ”, so
+// ”, ”, nil starts at the first). Like MachineListInState it scans the
+// fleet once (machine_states, set based) and sorts the matches: a
+// predictable cost per page, whatever the filter.
+func (q *Queries) MachineListByProviderID(ctx context.Context, arg MachineListByProviderIDParams) ([]MachineListByProviderIDRow, error) {
+	rows, err := q.db.Query(ctx, machineListByProviderID,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.HeartbeatTimeoutMs,
+		arg.IncludeDecommissioned,
+		arg.AfterProvider,
+		arg.AfterProviderID,
+		arg.After,
+		arg.State,
+		arg.Provider,
+		arg.Location,
+		arg.Search,
+		arg.SearchIDFrom,
+		arg.SearchIDTo,
+		arg.SearchIp,
+		arg.SearchNet,
+		arg.SearchPattern,
+		arg.SearchIpPrefix,
+		arg.RowLimit,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []MachineListByProviderIDRow{}
+	for rows.Next() {
+		var i MachineListByProviderIDRow
+		if err := rows.Scan(
+			&i.MachineID,
+			&i.State,
+			&i.Provider,
+			&i.ProviderID,
+			&i.ProviderLocation,
+			&i.ProviderIPAddress,
+			&i.ProviderStatus,
+			&i.AgentStartedAt,
+			&i.AgentHeartbeatAt,
+			&i.DecommissionedAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const machineListFiltered = `-- name: MachineListFiltered :many
 WITH listed AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_location, p.provider_ip_address

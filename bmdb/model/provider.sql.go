@@ -194,6 +194,47 @@ func (q *Queries) MachineByProviderID(ctx context.Context, arg MachineByProvider
 	return machine_id, err
 }
 
+const machinesWithProviderID = `-- name: MachinesWithProviderID :many
+SELECT p.machine_id, p.provider, false AS decommissioned
+FROM machine_provided p
+WHERE p.provider_id = $1
+UNION ALL
+SELECT d.machine_id, d.provider, true AS decommissioned
+FROM decommissioned_machines d
+WHERE d.provider_id = $1
+ORDER BY 2, 3, 1
+`
+
+type MachinesWithProviderIDRow struct {
+	MachineID      uuid.UUID
+	Provider       string
+	Decommissioned bool
+}
+
+// MachinesWithProviderID finds the machines, live or decommissioned, that
+// have the provider id at any provider, for commands that take a machine by
+// its provider id. The indexes lead with the provider, so this reads each
+// table once: it serves one operator's command, not a loop.
+func (q *Queries) MachinesWithProviderID(ctx context.Context, providerID string) ([]MachinesWithProviderIDRow, error) {
+	rows, err := q.db.Query(ctx, machinesWithProviderID, providerID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []MachinesWithProviderIDRow{}
+	for rows.Next() {
+		var i MachinesWithProviderIDRow
+		if err := rows.Scan(&i.MachineID, &i.Provider, &i.Decommissioned); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const providedList = `-- name: ProvidedList :many
 SELECT machine_id, provider_id, provider_status, provider_ip_address,
        provider_location, provider_reservation_id

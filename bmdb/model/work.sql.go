@@ -86,6 +86,51 @@ func (q *Queries) BackoffGetForUpdate(ctx context.Context, arg BackoffGetForUpda
 	return i, err
 }
 
+const backoffListOfProcess = `-- name: BackoffListOfProcess :many
+SELECT machine_id, backoff_until, cause, last_interval_ms, attempts, quarantined_at
+FROM work_backoff
+WHERE process = $1
+ORDER BY machine_id
+`
+
+type BackoffListOfProcessRow struct {
+	MachineID      uuid.UUID
+	BackoffUntil   time.Time
+	Cause          string
+	LastIntervalMs int64
+	Attempts       int32
+	QuarantinedAt  *time.Time
+}
+
+// BackoffListOfProcess is every backoff and quarantine of one process, for
+// an operator's reset of many machines (work_backoff_process_until).
+func (q *Queries) BackoffListOfProcess(ctx context.Context, process string) ([]BackoffListOfProcessRow, error) {
+	rows, err := q.db.Query(ctx, backoffListOfProcess, process)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []BackoffListOfProcessRow{}
+	for rows.Next() {
+		var i BackoffListOfProcessRow
+		if err := rows.Scan(
+			&i.MachineID,
+			&i.BackoffUntil,
+			&i.Cause,
+			&i.LastIntervalMs,
+			&i.Attempts,
+			&i.QuarantinedAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const backoffReset = `-- name: BackoffReset :one
 WITH reset AS (
     DELETE FROM work_backoff b

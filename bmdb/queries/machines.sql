@@ -385,3 +385,52 @@ SET bmc = EXCLUDED.bmc,
     error_message = EXCLUDED.error_message,
     checked_at = EXCLUDED.checked_at
 RETURNING checked_at;
+
+-- name: MachineListByProviderID :many
+-- MachineListByProviderID is a page of the machine list, filtered as
+-- MachineListInState (state '' for any), in provider id order: by
+-- provider, provider id and machine id, from the machine after the cursor
+-- (@after_provider, @after_provider_id, @after; a provider is never '', so
+-- '', '', nil starts at the first). Like MachineListInState it scans the
+-- fleet once (machine_states, set based) and sorts the matches: a
+-- predictable cost per page, whatever the filter.
+WITH listed AS (
+    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_id::text AS provider_id,
+           s.provider_location::text AS provider_location, s.provider_ip_address::inet AS provider_ip_address,
+           s.state::text AS state
+    FROM machine_states(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) s
+    UNION ALL
+    SELECT d.machine_id, d.provider, d.provider_id, d.provider_location, NULL::inet, 'Decommissioned'
+    FROM decommissioned_machines d
+    WHERE @include_decommissioned::boolean
+),
+page AS (
+    SELECT l.machine_id, l.state, l.provider, l.provider_id
+    FROM listed l
+    WHERE (l.provider, l.provider_id, l.machine_id) > (@after_provider::text, @after_provider_id::text, @after::uuid)
+      AND (@state::text = '' OR l.state = @state::text)
+      AND (@provider::text = '' OR l.provider = @provider::text)
+      AND (@location::text = '' OR l.provider_location = @location::text)
+      AND (@search::text = ''
+           OR l.machine_id BETWEEN sqlc.narg(search_id_from)::uuid AND sqlc.narg(search_id_to)::uuid
+           OR l.provider_ip_address = sqlc.narg(search_ip)::inet
+           OR l.provider_ip_address <<= sqlc.narg(search_net)::cidr
+           OR l.provider_id ILIKE @search_pattern::text
+           OR starts_with(host(l.provider_ip_address), sqlc.narg(search_ip_prefix)::text))
+    ORDER BY l.provider, l.provider_id, l.machine_id
+    LIMIT @row_limit::integer
+)
+SELECT pg.machine_id, pg.state,
+       COALESCE(p.provider, d.provider, '')::text AS provider,
+       COALESCE(p.provider_id, d.provider_id, '')::text AS provider_id,
+       COALESCE(p.provider_location, d.provider_location, '')::text AS provider_location,
+       p.provider_ip_address,
+       COALESCE(p.provider_status, '')::text AS provider_status,
+       s.agent_started_at, h.agent_heartbeat_at, m.decommissioned_at
+FROM page pg
+JOIN machines m ON m.machine_id = pg.machine_id
+LEFT JOIN machine_provided p ON p.machine_id = pg.machine_id
+LEFT JOIN decommissioned_machines d ON d.machine_id = pg.machine_id
+LEFT JOIN machine_agent_started s ON s.machine_id = pg.machine_id
+LEFT JOIN machine_agent_heartbeat h ON h.machine_id = pg.machine_id
+ORDER BY pg.provider, pg.provider_id, pg.machine_id;

@@ -225,3 +225,17 @@ FROM taken
 WHERE ps.provider = taken.provider
 RETURNING taken.listing_accept_max_missing::integer AS max_missing, taken.listing_accept_by::text AS accepted_by,
           taken.listing_accept_at::timestamptz AS accepted_at, taken.listing_accept_until::timestamptz AS accepted_until;
+
+-- name: MachinesWithProviderID :many
+-- MachinesWithProviderID finds the machines, live or decommissioned, that
+-- have the provider id at any provider, for commands that take a machine by
+-- its provider id. The indexes lead with the provider, so this reads each
+-- table once: it serves one operator's command, not a loop.
+SELECT p.machine_id, p.provider, false AS decommissioned
+FROM machine_provided p
+WHERE p.provider_id = @provider_id
+UNION ALL
+SELECT d.machine_id, d.provider, true AS decommissioned
+FROM decommissioned_machines d
+WHERE d.provider_id = @provider_id
+ORDER BY 2, 3, 1;

@@ -83,6 +83,14 @@ SELECT machine_id, process, backoff_until, cause, last_interval_ms, attempts, qu
 FROM work_backoff
 WHERE machine_id = @machine_id AND process = @process;
 
+-- name: BackoffListOfProcess :many
+-- BackoffListOfProcess is every backoff and quarantine of one process, for
+-- an operator's reset of many machines (work_backoff_process_until).
+SELECT machine_id, backoff_until, cause, last_interval_ms, attempts, quarantined_at
+FROM work_backoff
+WHERE process = @process
+ORDER BY machine_id;
+
 -- name: ProcessList :many
 SELECT process, machine_exclusive FROM processes ORDER BY process;
 

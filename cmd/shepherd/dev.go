@@ -119,7 +119,7 @@ func newDevCommand() *cobra.Command {
 				cfg.Providers.Add(equinix.Name, devEquinixFactory(machines, simYAML, filepath.Join(dataDir, "equinix"), &api))
 			}
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
-			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
+			cfg.SSHKeyFile = sshKeyFile(dataDir)
 			cfg.Initializer.AgentPath = agent
 			// A second dev (or anything else) may hold the default port.
 			// (Changed cannot tell: setting the dev defaults below sets it.)
@@ -142,7 +142,7 @@ func newDevCommand() *cobra.Command {
 	logs.bind(fl)
 	_ = fl.Set("log-level", "warn")
 	fl.Lookup("log-level").DefValue = "warn"
-	fl.StringVar(&dataDir, "data-dir", filepath.Join(os.TempDir(), fmt.Sprintf("shepherd-dev-%d", os.Getuid())), "directory kept between runs: PostgreSQL, keys, CA")
+	fl.StringVar(&dataDir, "data-dir", devDataDir(), "directory kept between runs: PostgreSQL, keys, CA")
 	fl.IntVar(&machines, "machines", 50, "size of the simulated fleet")
 	fl.StringVar(&kind, "provider", "sim", "sim, or equinix: the Equinix Metal provider against an in-process fake Metal API")
 	fl.StringVar(&simYAML, "sim", devSimYAML, "more simulator configuration (YAML)")

@@ -39,10 +39,6 @@ func (c *machineCLI) hostKeyAcceptCommand() *cobra.Command {
 			"is changed at the provider instead: its pin wins at the next takeover.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := parseMachineID(args[0])
-			if err != nil {
-				return err
-			}
 			if fingerprint == "" {
 				return errors.New("--fingerprint is required: the SHA256:... fingerprint of the key to accept, as the mismatch named it")
 			}
@@ -58,6 +54,10 @@ func (c *machineCLI) hostKeyAcceptCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[0])
+			if err != nil {
+				return err
+			}
 			ch, err := db.AcceptHostKey(cmd.Context(), id, fingerprint, operator()+" with the shepherd CLI", reason)
 			switch {
 			case errors.Is(err, bmdb.ErrNotFound):

@@ -64,7 +64,7 @@ func TestMachineHostKeyAccept(t *testing.T) {
 			presented + other + "; nothing changed: check the key it presents now (shepherd machine show " + m.String() + ")"},
 		"the recorded key's": {[]string{"machine", "host-key", "accept", m.String(), "--fingerprint", ssh.FingerprintSHA256(old)},
 			presented + ssh.FingerprintSHA256(old) + "; nothing changed"},
-		"not a uuid":            {[]string{"machine", "host-key", "accept", "m-1", "--fingerprint", fp}, `machine id "m-1" is not a UUID`},
+		"not a uuid":            {[]string{"machine", "host-key", "accept", "m-1", "--fingerprint", fp}, `no machine has the id or provider id "m-1"`},
 		"unknown machine":       {[]string{"machine", "host-key", "accept", unknown, "--fingerprint", fp}, "machine " + unknown + " does not exist"},
 		"machine without a key": {[]string{"machine", "host-key", "accept", keyless, "--fingerprint", fp}, "machine " + keyless + " has no SSH host key recorded: there is nothing to replace"},
 	} {

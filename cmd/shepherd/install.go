@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/proto"
 
@@ -35,10 +34,6 @@ func newInstallCommand() *cobra.Command {
 			"not exist, is not a block device, or is mounted or in use, before downloading anything.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			id, err := uuid.Parse(machine)
-			if err != nil {
-				return fmt.Errorf("--machine %q is not a machine id (a UUID)", machine)
-			}
 			req.ImageSha256 = strings.ToLower(req.ImageSha256)
 			if err := install.CheckRequest(req, opts); err != nil {
 				return fmt.Errorf("invalid installation request: %w", err)
@@ -52,6 +47,10 @@ func newInstallCommand() *cobra.Command {
 				return err
 			}
 			defer d.Close()
+			id, err := resolveMachine(cmd.Context(), d, machine)
+			if err != nil {
+				return fmt.Errorf("--machine: %w", err)
+			}
 			gen, err := d.RequestInstallation(cmd.Context(), id, raw)
 			switch {
 			case errors.Is(err, bmdb.ErrDecommissioned):
@@ -69,7 +68,7 @@ func newInstallCommand() *cobra.Command {
 		},
 	}
 	f := request.Flags()
-	f.StringVar(&machine, "machine", "", "machine id (required)")
+	f.StringVar(&machine, "machine", "", "machine id, or its provider id (m3, or provider/m3) (required)")
 	f.StringVar(&req.ImageUrl, "image-url", "", "http or https URL of the raw disk image (required)")
 	f.StringVar(&req.ImageSha256, "sha256", "", "hex SHA-256 of the image (required)")
 	f.StringVar(&req.TargetDevice, "target-device", "", "block device to write the image to, under /dev (required)")
@@ -85,15 +84,15 @@ func newInstallCommand() *cobra.Command {
 		Short: "Show a machine's installation request and the agent's report",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			id, err := uuid.Parse(statusMachine)
-			if err != nil {
-				return fmt.Errorf("--machine %q is not a machine id (a UUID)", statusMachine)
-			}
 			d, err := db.open(cmd.Context(), bmdb.SchemaRequireCurrent)
 			if err != nil {
 				return err
 			}
 			defer d.Close()
+			id, err := resolveMachine(cmd.Context(), d, statusMachine)
+			if err != nil {
+				return fmt.Errorf("--machine: %w", err)
+			}
 			in, err := d.GetInstallation(cmd.Context(), id)
 			if errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)
@@ -124,7 +123,7 @@ func newInstallCommand() *cobra.Command {
 			return nil
 		},
 	}
-	status.Flags().StringVar(&statusMachine, "machine", "", "machine id (required)")
+	status.Flags().StringVar(&statusMachine, "machine", "", "machine id, or its provider id (m3, or provider/m3) (required)")
 	_ = status.MarkFlagRequired("machine")
 	cmd.AddCommand(request, status)
 	return cmd

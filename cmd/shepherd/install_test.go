@@ -42,7 +42,7 @@ func TestInstallRequest(t *testing.T) {
 		args []string
 		want string
 	}{
-		"machine not a uuid": {args("m1", "https://img.example/os.img", sha, "/dev/sda"), `--machine "m1" is not a machine id (a UUID)`},
+		"machine not a uuid": {args("m1", "https://img.example/os.img", sha, "/dev/sda"), `--machine: no machine has the id or provider id "m1"`},
 		"unknown machine":    {args(unknown, "https://img.example/os.img", sha, "/dev/sda"), "machine " + unknown + " does not exist or is not provided"},
 		"ftp url":            {args(m.String(), "ftp://img.example/os.img", sha, "/dev/sda"), `image_url must be an http or https URL, got scheme "ftp"`},
 		"short sha256":       {args(m.String(), "https://img.example/os.img", "abc", "/dev/sda"), "image_sha256 must be 64 hexadecimal characters, got 3 characters"},

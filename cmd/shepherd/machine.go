@@ -63,13 +63,61 @@ func (c *machineCLI) open(ctx context.Context) (*bmdb.DB, error) {
 	return c.db.open(ctx, bmdb.SchemaRequireCurrent)
 }
 
-// parseMachineID parses the machine id argument.
-func parseMachineID(arg string) (uuid.UUID, error) {
-	id, err := uuid.Parse(arg)
+// resolveMachine finds the machine arg names: its machine id (a UUID),
+// its provider id (m3), or provider/id (static/m3) where the same provider
+// id is at two providers. A bare provider id found at several providers is
+// an error listing them. A UUID that is no machine's provider id is
+// returned as the machine id whether or not such a machine exists; the
+// caller says if it does not. (Provider ids may be UUIDs too: Equinix
+// names devices by UUID.)
+func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, error) {
+	refs, err := db.MachinesWithProviderID(ctx, arg)
 	if err != nil {
-		return uuid.Nil, fmt.Errorf("machine id %q is not a UUID", arg)
+		return uuid.Nil, err
 	}
-	return id, nil
+	if provider, pid, ok := strings.Cut(arg, "/"); ok && provider != "" && pid != "" {
+		at, err := db.MachinesWithProviderID(ctx, pid)
+		if err != nil {
+			return uuid.Nil, err
+		}
+		for _, r := range at {
+			if r.Provider == provider && !slices.Contains(refs, r) {
+				refs = append(refs, r)
+			}
+		}
+	}
+	id, uuidErr := uuid.Parse(arg)
+	switch {
+	case len(refs) == 1:
+		return refs[0].MachineID, nil
+	case len(refs) > 1:
+		names := make([]string, len(refs))
+		for i, r := range refs {
+			names[i] = fmt.Sprintf("%s/%s (machine %s", r.Provider, r.ProviderID, r.MachineID)
+			if r.Decommissioned {
+				names[i] += ", decommissioned"
+			}
+			names[i] += ")"
+		}
+		return uuid.Nil, fmt.Errorf("%q names %d machines: %s; name one as provider/id or by its machine id",
+			arg, len(refs), strings.Join(names, ", "))
+	case uuidErr == nil:
+		return id, nil
+	}
+	return uuid.Nil, fmt.Errorf("no machine has the id or provider id %q (a machine id is a UUID; a provider id is as machine list shows it, or provider/id)", arg)
+}
+
+// parseState parses --state: a derived state as machine list shows it.
+func parseState(s string) (bmdb.MachineState, error) {
+	st := bmdb.MachineState(s)
+	if st.Validate() != nil {
+		names := make([]string, 0, len(bmdb.MachineStates()))
+		for _, k := range bmdb.MachineStates() {
+			names = append(names, string(k))
+		}
+		return "", fmt.Errorf("--state %q is not a machine state: use one of %s", s, strings.Join(names, ", "))
+	}
+	return st, nil
 }
 
 // parseProcess parses --process.
@@ -140,7 +188,8 @@ func newMachineCommand() *cobra.Command {
 		Short: "List, inspect, reset, power and decommission machines, and accept changed host keys",
 		Long: "Reads the machines of the BMDB with their derived states (SPEC §3.7), their tags and their\n" +
 			"history, resets backoffs and quarantines, reads and switches their power through their BMCs,\n" +
-			"and asks for machines to be decommissioned.",
+			"and asks for machines to be decommissioned. A command's ID is the machine's id (a UUID) or its\n" +
+			"provider id as machine list shows it (m3), or provider/id (static/m3) where two providers have it.",
 	}
 	c.db.bind(cmd)
 	cmd.AddCommand(c.listCommand(), c.showCommand(), c.historyCommand(), c.resetCommand(), c.decommissionCommand(), c.hostKeyCommand(), c.powerCommand())

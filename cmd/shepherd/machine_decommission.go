@@ -26,10 +26,6 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 			"Asks for confirmation unless --yes.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := parseMachineID(args[0])
-			if err != nil {
-				return err
-			}
 			reason = strings.Join(strings.Fields(reason), " ")
 			if reason == "" {
 				return errors.New("--reason is required: say why the machine should go")
@@ -42,6 +38,10 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[0])
+			if err != nil {
+				return err
+			}
 			d, err := db.GetMachine(cmd.Context(), id)
 			if errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)

@@ -22,12 +22,9 @@ func (c *machineCLI) historyCommand() *cobra.Command {
 		Short: "Show what was done to a machine and why (the last --limit events, oldest first)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := parseMachineID(args[0])
-			if err != nil {
-				return err
-			}
-			f := bmdb.HistoryFilter{MachineID: id, Limit: historyPage}
+			f := bmdb.HistoryFilter{Limit: historyPage}
 			if process != "" {
+				var err error
 				if f.Process, err = parseProcess(process); err != nil {
 					return err
 				}
@@ -43,6 +40,11 @@ func (c *machineCLI) historyCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[0])
+			if err != nil {
+				return err
+			}
+			f.MachineID = id
 			if _, err := db.GetMachine(cmd.Context(), id); errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)
 			} else if err != nil {

@@ -48,14 +48,15 @@ func summaryJSON(m bmdb.MachineSummary) machineJSON {
 
 func (c *machineCLI) listCommand() *cobra.Command {
 	var (
-		f     bmdb.MachineFilter
-		state string
-		limit int
+		f      bmdb.MachineFilter
+		state  string
+		limit  int
+		sortBy string
 	)
 	cmd := &cobra.Command{
 		Use:   "list",
 		Short: "List machines with their derived states, filtered and searched",
-		Long: "Lists machines in id order, following pages until --limit machines. --search matches a\n" +
+		Long: "Lists machines in id order (--sort provider-id: by provider and provider id), following pages until --limit machines. --search matches a\n" +
 			"machine id prefix, a provider id substring or an IP address (exact, CIDR network or prefix),\n" +
 			"case-insensitively. Decommissioned machines are left out unless asked for.",
 		Args: cobra.NoArgs,
@@ -65,6 +66,9 @@ func (c *machineCLI) listCommand() *cobra.Command {
 			}
 			if limit < 1 {
 				return fmt.Errorf("--limit must be at least 1, got %d", limit)
+			}
+			if sortBy != sortMachineID && sortBy != sortProviderID {
+				return fmt.Errorf("--sort %q is not an order: use %s or %s", sortBy, sortMachineID, sortProviderID)
 			}
 			if state != "" {
 				f.State = bmdb.MachineState(state)
@@ -82,20 +86,11 @@ func (c *machineCLI) listCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			var machines []bmdb.MachineSummary
-			after := uuid.Nil
-			for len(machines) < limit {
-				page, next, err := db.ListMachines(cmd.Context(), f, after, min(listPage, limit-len(machines)))
-				if errors.Is(err, bmdb.ErrInvalidFilter) {
-					return fmt.Errorf("invalid filter: %w", err)
-				} else if err != nil {
-					return err
-				}
-				machines = append(machines, page...)
-				if next == uuid.Nil {
-					break
-				}
-				after = next
+			machines, err := listMachines(cmd.Context(), db, f, sortBy, limit)
+			if errors.Is(err, bmdb.ErrInvalidFilter) {
+				return fmt.Errorf("invalid filter: %w", err)
+			} else if err != nil {
+				return err
 			}
 			out := cmd.OutOrStdout()
 			if c.output == outputJSON {
@@ -133,6 +128,7 @@ func (c *machineCLI) listCommand() *cobra.Command {
 	fl.StringVar(&f.Search, "search", "", "machine id prefix, provider id substring or IP address")
 	fl.BoolVar(&f.IncludeDecommissioned, "include-decommissioned", false, "list decommissioned machines too")
 	fl.IntVar(&limit, "limit", 100, "list at most this many machines")
+	fl.StringVar(&sortBy, "sort", sortMachineID, "order: "+sortMachineID+", or "+sortProviderID+" (by provider, then provider id)")
 	c.bindOutput(cmd)
 	c.bindTimeouts(cmd)
 	return cmd

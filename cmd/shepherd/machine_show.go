@@ -220,10 +220,6 @@ func (c *machineCLI) showCommand() *cobra.Command {
 		Short: "Show a machine with all of its tags, its work and its backoffs",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := parseMachineID(args[0])
-			if err != nil {
-				return err
-			}
 			if err := c.checkOutput(); err != nil {
 				return err
 			}
@@ -232,6 +228,10 @@ func (c *machineCLI) showCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[0])
+			if err != nil {
+				return err
+			}
 			d, err := db.GetMachineWithTimeouts(cmd.Context(), id, c.firstHeartbeatTimeout, c.heartbeatTimeout)
 			if errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)

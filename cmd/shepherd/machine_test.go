@@ -158,7 +158,7 @@ func TestMachineReset(t *testing.T) {
 		args []string
 		want string // in the error the operator is shown
 	}{
-		"not a uuid":      {[]string{"machine", "reset", "m-1", "--process", "AgentStart"}, `machine id "m-1" is not a UUID`},
+		"not a uuid":      {[]string{"machine", "reset", "m-1", "--process", "AgentStart"}, `no machine has the id or provider id "m-1"`},
 		"unknown process": {[]string{"machine", "reset", m.String(), "--process", "Reboot"}, `--process "Reboot" is not a process: use one of AgentStart, Decommission, Power, ProviderUpdate, Recovery, Reinstall`},
 		"no process":      {[]string{"machine", "reset", m.String()}, "--process is required"},
 		"unknown machine": {[]string{"machine", "reset", unknown, "--process", "AgentStart"}, "machine " + unknown + " does not exist"},
@@ -209,7 +209,7 @@ func TestMachineDecommission(t *testing.T) {
 	}{
 		"no reason":       {[]string{"machine", "decommission", m.String(), "--yes"}, "--reason is required: say why the machine should go"},
 		"blank reason":    {[]string{"machine", "decommission", m.String(), "--reason", "  ", "--yes"}, "--reason is required: say why the machine should go"},
-		"not a uuid":      {[]string{"machine", "decommission", "m-1", "--reason", "x", "--yes"}, `machine id "m-1" is not a UUID`},
+		"not a uuid":      {[]string{"machine", "decommission", "m-1", "--reason", "x", "--yes"}, `no machine has the id or provider id "m-1"`},
 		"unknown machine": {[]string{"machine", "decommission", unknown, "--reason", "x", "--yes"}, "machine " + unknown + " does not exist"},
 	} {
 		out, err := run(t, append(c.args, "--database-url", db.URL)...)

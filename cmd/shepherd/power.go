@@ -58,10 +58,6 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			id, err := parseMachineID(args[1])
-			if err != nil {
-				return err
-			}
 			if f.timeout <= 0 {
 				return fmt.Errorf("--timeout must be positive, got %s", f.timeout)
 			}
@@ -80,6 +76,10 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			id, err := resolveMachine(cmd.Context(), db, args[1])
+			if err != nil {
+				return err
+			}
 			m, closeProvider, err := openPowerMachine(cmd, db, id, f, config)
 			if err != nil {
 				return err

@@ -127,6 +127,12 @@ func TestMachinePowerStatus(t *testing.T) {
 	if strings.Contains(out, f.bmc.Password.Reveal()) {
 		t.Fatalf("machine power status printed the BMC password:\n%s", out)
 	}
+	// The machine by its provider id, bare and with its provider.
+	for _, arg := range []string{"m3", "static/m3"} {
+		if out, err := f.power(t, "", "status", arg); err != nil || !strings.Contains(out, "power on") || !strings.Contains(out, f.m.String()) {
+			t.Errorf("machine power status %s: %v\n%s", arg, err, out)
+		}
+	}
 	if n := historyCount(t, f.db); n != 0 {
 		t.Errorf("status wrote %d history rows; it only reads", n)
 	}
@@ -332,7 +338,7 @@ func TestMachinePowerFailures(t *testing.T) {
 		"no bmc, off":     {[]string{"off", "--yes", f.noBMC.String()}, "has no BMC: add a bmc: block"},
 		"other provider":  {[]string{"on", f.other.String()}, `belongs to provider "lab"`},
 		"unknown action":  {[]string{"reboot", f.m.String()}, `"reboot" is not a power action: use status, on, off, cycle`},
-		"not a uuid":      {[]string{"on", "m3"}, `machine id "m3" is not a UUID`},
+		"unknown id":      {[]string{"on", "m9"}, `no machine has the id or provider id "m9"`},
 		"unknown machine": {[]string{"on", unknown}, "machine " + unknown + " does not exist"},
 		"no timeout":      {[]string{"on", f.m.String(), "--timeout", "0s"}, "--timeout must be positive"},
 	} {

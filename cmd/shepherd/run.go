@@ -77,7 +77,7 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.Var(&in.Backoff, "initializer-backoff", "initializer: wait after failed agent starts as initial,maximum,exponent,attempts (quarantine after attempts failures in a row; 0: never)")
 	fl.DurationVar(&in.ConnectTimeout, "ssh-connect-timeout", 30*time.Second, "initializer: bound on dialing and the SSH handshake")
 	fl.DurationVar(&in.ExecTimeout, "ssh-exec-timeout", 2*time.Minute, "initializer: bound on uploading and starting the agent")
-	fl.StringVar(&in.AgentDir, "agent-dir", "/var/lib/shepherd-agent", "initializer, decommissioner: remote directory of the agent ({provider_id} and {machine_id} are replaced)")
+	fl.StringVar(&in.AgentDir, "agent-dir", "", "initializer, decommissioner: remote directory of the agent ({provider_id} and {machine_id} are replaced; a relative path is under the SSH user's home; default "+manager.RootAgentDir+" for root, else ~/"+manager.HomeAgentDir+")")
 
 	rc := &cfg.Recoverer
 	fl.IntVar(&rc.Loop.Parallelism, "recoverer-parallelism", 4, "recoverer: machines rebooted at once")
@@ -167,7 +167,7 @@ func newRunCommand() *cobra.Command {
 				return fmt.Errorf("--data-dir is required (it keeps the SSH key and the development CA)")
 			}
 			cfg.Server.DataDir = filepath.Join(dataDir, "pki")
-			cfg.SSHKeyFile = filepath.Join(dataDir, "ssh_key")
+			cfg.SSHKeyFile = sshKeyFile(dataDir)
 			cfg.Initializer.AgentPath = agentPath
 			if agentPath == "" {
 				cfg.Initializer.AgentPath = defaultAgentPath()

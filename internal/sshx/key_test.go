@@ -1,7 +1,13 @@
 package sshx
 
 import (
+	"bytes"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -78,4 +84,124 @@ func TestLoadOrCreateKeyErrors(t *testing.T) {
 	if _, err := os.Lstat(filepath.Join(dir, "nowhere")); !os.IsNotExist(err) {
 		t.Errorf("a key was created through the dangling link: %v", err)
 	}
+}
+
+// TestCreatedKeyIsOpenSSHs: the key Shepherd creates is one OpenSSH's own
+// ssh-keygen reads, and its .pub is the authorized_keys line of that key.
+func TestCreatedKeyIsOpenSSHs(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "ssh_key")
+	signer, err := LoadOrCreateKey(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("ssh-keygen", "-y", "-f", path).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ssh-keygen -y -f %s: %v: %s", path, err, out)
+	}
+	pub, err := os.ReadFile(path + ".pub")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := keyPart(string(out)), keyPart(string(pub)); got != want || want == "" {
+		t.Errorf("ssh-keygen reads the key as %q, the .pub says %q", got, want)
+	}
+	if string(pub) != AuthorizedKey(signer.PublicKey()) {
+		t.Errorf(".pub is %q, want %q", pub, AuthorizedKey(signer.PublicKey()))
+	}
+	if !strings.HasSuffix(strings.TrimSpace(string(pub)), " "+KeyComment()) || !strings.HasPrefix(KeyComment(), "shepherd") {
+		t.Errorf(".pub %q does not end in the comment %q", pub, KeyComment())
+	}
+	if fi, err := os.Stat(path + ".pub"); err != nil || fi.Mode() != 0o644 {
+		t.Errorf(".pub mode %v (%v), want 0644", fi.Mode(), err)
+	}
+	// ssh-keygen -l reads the .pub: it is a valid public key file.
+	if out, err := exec.Command("ssh-keygen", "-l", "-f", path+".pub").CombinedOutput(); err != nil {
+		t.Errorf("ssh-keygen -l -f %s.pub: %v: %s", path, err, out)
+	}
+}
+
+// TestOldKeyGetsItsPub: a key an older Shepherd wrote (PKCS#8 PEM, no .pub)
+// still loads, unchanged, and gets its .pub; a .pub naming another key is
+// replaced, one naming this key (any comment) is left alone.
+func TestOldKeyGetsItsPub(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "ssh_key")
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.MarshalPKCS8PrivateKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
+	if err := os.WriteFile(path, old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	signer, err := LoadOrCreateKey(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := ssh.NewPublicKey(priv.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(signer.PublicKey().Marshal(), want.Marshal()) {
+		t.Fatal("loaded another key than the one in the file")
+	}
+	if data, _ := os.ReadFile(path); !bytes.Equal(data, old) {
+		t.Error("the old key file was rewritten")
+	}
+	if pub, err := os.ReadFile(path + ".pub"); err != nil || string(pub) != AuthorizedKey(want) {
+		t.Errorf(".pub = %q, %v; want %q", pub, err, AuthorizedKey(want))
+	}
+
+	other := sshtestKey(t)
+	if err := os.WriteFile(path+".pub", ssh.MarshalAuthorizedKey(other), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadOrCreateKey(path); err != nil {
+		t.Fatal(err)
+	}
+	if pub, _ := os.ReadFile(path + ".pub"); string(pub) != AuthorizedKey(want) {
+		t.Errorf("a .pub of another key was kept: %q", pub)
+	}
+	mine := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(want))) + " my own comment\n"
+	if err := os.WriteFile(path+".pub", []byte(mine), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadOrCreateKey(path); err != nil {
+		t.Fatal(err)
+	}
+	if pub, _ := os.ReadFile(path + ".pub"); string(pub) != mine {
+		t.Errorf("a .pub of this key was rewritten: %q", pub)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 2 {
+		t.Errorf("the directory holds %d files, want the key and its .pub (no temporary files)", len(entries))
+	}
+}
+
+func sshtestKey(t *testing.T) ssh.PublicKey {
+	t.Helper()
+	pub, _, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := ssh.NewPublicKey(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+// keyPart is the type and key of an authorized_keys line, without the
+// comment.
+func keyPart(line string) string {
+	f := strings.Fields(line)
+	if len(f) < 2 {
+		return ""
+	}
+	return f[0] + " " + f[1]
 }

@@ -45,16 +45,10 @@ package sshx
 import (
 	"bytes"
 	"context"
-	"crypto/ed25519"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"time"
 
@@ -406,45 +400,6 @@ func tail(b []byte, n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
-}
-
-// LoadOrCreateKey loads the ed25519 SSH client key from path (PEM, OpenSSH
-// or PKCS#8), or creates one there with mode 0600 if the file does not exist.
-func LoadOrCreateKey(path string) (ssh.Signer, error) {
-	data, err := os.ReadFile(path)
-	if err == nil {
-		signer, err := ssh.ParsePrivateKey(data)
-		if err != nil {
-			return nil, fmt.Errorf("parsing SSH key %s: %w", path, err)
-		}
-		return signer, nil
-	}
-	if !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("reading SSH key %s: %w", path, err)
-	}
-	_, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	der, err := x509.MarshalPKCS8PrivateKey(priv)
-	if err != nil {
-		return nil, err
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return nil, fmt.Errorf("creating SSH key %s: %w", path, err)
-	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("creating SSH key %s: %w", path, err)
-	}
-	if _, err := f.Write(pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("writing SSH key %s: %w", path, err)
-	}
-	if err := f.Close(); err != nil {
-		return nil, fmt.Errorf("writing SSH key %s: %w", path, err)
-	}
-	return ssh.NewSignerFromKey(priv)
 }
 
 var _ io.Writer = (*limitedBuffer)(nil)

@@ -1,0 +1,108 @@
+package web_test
+
+import (
+	"html"
+	"net/http"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/web"
+)
+
+// TestMachinePageTitle: the machine page is titled with the provider id and
+// provider operators know the machine by, escaped; the UUID stays on the
+// page.
+func TestMachinePageTitle(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	s := newServer(t, f.db.DB, web.Config{})
+	for _, id := range append(f.healthy[:1], f.quarantined, f.evil) {
+		d, err := f.db.GetMachine(t.Context(), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		page := s.get(t, "/machines/"+id.String())
+		title := html.EscapeString("Machine " + d.ProviderID + " (" + d.Provider + ")")
+		for _, want := range []string{"<title>" + title + " · Shepherd</title>", "<h1>" + title + "</h1>", `id="machine-id">` + id.String() + "<"} {
+			if !strings.Contains(page, want) {
+				t.Errorf("page of %s/%s lacks %q", d.Provider, d.ProviderID, want)
+			}
+		}
+	}
+}
+
+// TestListSortsByProviderID: ?sort=provider-id lists the machines by
+// provider and provider id, each once over all pages, filters kept; the
+// column header links to that order.
+func TestListSortsByProviderID(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "b", Healthy: 14, Stale: 3})
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "a", Healthy: 9})
+	db.Exec(t, `UPDATE machine_provided p SET provider_id = 'm' || n.n
+		FROM (SELECT machine_id, row_number() OVER (PARTITION BY provider ORDER BY machine_id DESC) AS n FROM machine_provided) n
+		WHERE n.machine_id = p.machine_id`)
+	s := newServer(t, db.DB, web.Config{PageSize: 4})
+	row := regexp.MustCompile(`<a class="machine mono" href="/machines/([0-9a-f-]{36})"`)
+	next := regexp.MustCompile(`<a rel="next" href="([^"]+)"`)
+	for _, tt := range []struct{ query, where string }{
+		{"?sort=provider-id", "true"},
+		{"?state=Healthy&sort=provider-id&provider=b", "provider = 'b' AND machine_id NOT IN (SELECT machine_id FROM machine_agent_heartbeat WHERE agent_heartbeat_at < now() - interval '5 minutes')"},
+	} {
+		want := ordered(t, db, "SELECT machine_id::text FROM machine_provided WHERE "+tt.where+" ORDER BY provider, provider_id")
+		var got []string
+		path := "/machines" + tt.query
+		for pages := 0; path != ""; pages++ {
+			if pages > 10 {
+				t.Fatalf("%s: more than 10 pages", tt.query)
+			}
+			body := s.get(t, path)
+			for _, m := range row.FindAllStringSubmatch(body, -1) {
+				got = append(got, m[1])
+			}
+			path = ""
+			if m := next.FindStringSubmatch(body); m != nil {
+				path = html.UnescapeString(m[1])
+				if !strings.Contains(path, "sort=provider-id") {
+					t.Errorf("%s: the next page %s leaves the order", tt.query, path)
+				}
+			}
+		}
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: listed %v, want %v", tt.query, got, want)
+		}
+	}
+	body := s.get(t, "/machines?state=Healthy")
+	link := regexp.MustCompile(`id="sort-provider-id" href="([^"]+)"`).FindStringSubmatch(body)
+	if link == nil || html.UnescapeString(link[1]) != "/machines?sort=provider-id&state=Healthy" {
+		t.Errorf("the provider id header links to %v, want the filtered list in provider id order", link)
+	}
+	if resp, body := s.do(t, http.MethodGet, "/machines?sort=name", nil); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("sort=name: %s\n%s", resp.Status, body)
+	}
+}
+
+// ordered returns the text column of query's rows, in order.
+func ordered(t *testing.T, db *bmdbtest.DB, query string) []string {
+	t.Helper()
+	rows, err := db.Pool.Query(t.Context(), query)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
