@@ -17,6 +17,10 @@ type FleetStateCount struct {
 	Provider, Location string
 	State              MachineState
 	Machines           int64
+	// SilentAgents counts those of Machines whose agent is silent by the
+	// recoverer's definition (MachineDetail.AgentSilent): the machines the
+	// recovery circuit breaker counts as silent, by the state they are in.
+	SilentAgents int64
 }
 
 // BackoffCount is the number of machines backed off (Quarantined false:
@@ -82,7 +86,8 @@ func (db *DB) FleetSnapshot(ctx context.Context, firstHeartbeatTimeout, heartbea
 		}
 		for _, r := range states {
 			snap.States = append(snap.States, FleetStateCount{
-				Provider: r.Provider, Location: r.Location, State: MachineState(r.State), Machines: r.Machines})
+				Provider: r.Provider, Location: r.Location, State: MachineState(r.State), Machines: r.Machines,
+				SilentAgents: r.SilentAgents})
 			if r.HardwareMachines == 0 {
 				continue
 			}

@@ -472,6 +472,23 @@ type MachineDetail struct {
 	// Ladder is the recovery ladder's progress: the rungs taken since the
 	// agent last heartbeated (DB.RecoveryStreak); empty when none.
 	Ladder []RungAttempt
+	// AgentSilent says the agent is silent by the recoverer's definition
+	// (with the timeouts the machine was read with), whatever State shows:
+	// a machine Recovering, BackedOff or Quarantined may have a silent
+	// agent. The circuit breaker counts these machines.
+	AgentSilent bool
+}
+
+// AgentStatus is what the agent is doing, as the CLI and the web UI show
+// it: "Silent" for a silent agent, whatever its tag phase (a phase of
+// Heartbeating only says that a heartbeat came since the agent started),
+// else the phase of the Provided tag (AwaitingAgent,
+// AwaitingFirstHeartbeat, Heartbeating); "" for a decommissioned machine.
+func (d MachineDetail) AgentStatus() string {
+	if d.AgentSilent {
+		return "Silent"
+	}
+	return string(d.Provided.AgentPhase)
 }
 
 // GetMachine returns a machine with all of its tags, read in one
@@ -567,6 +584,7 @@ func machineDetail(r model.MachineGetRow) MachineDetail {
 		HostKeyRecordedAt: r.HostKeyRecordedAt,
 		OfferedHostKey:    r.OfferedHostKey,
 		OfferedHostKeyAt:  r.HostKeyOfferedAt,
+		AgentSilent:       r.AgentSilent,
 	}
 	if r.ProviderIPAddress != nil {
 		d.Address = *r.ProviderIPAddress

@@ -164,10 +164,12 @@ func (q *Queries) FleetLiveWork(ctx context.Context) ([]FleetLiveWorkRow, error)
 
 const fleetMachineStates = `-- name: FleetMachineStates :many
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state,
+           s.agent_silent::boolean AS agent_silent
     FROM machine_states($1::bigint, $2::bigint) s
 )
 SELECT ms.provider, ms.location, ms.state, count(*) AS machines,
+       count(*) FILTER (WHERE ms.agent_silent) AS silent_agents,
        count(hw.machine_id) AS hardware_machines,
        COALESCE(sum(hw.memory_bytes), 0)::float8 AS memory_bytes,
        COALESCE(sum(hw.cpu_threads), 0)::float8 AS cpu_threads
@@ -187,6 +189,7 @@ type FleetMachineStatesRow struct {
 	Location         string
 	State            string
 	Machines         int64
+	SilentAgents     int64
 	HardwareMachines int64
 	MemoryBytes      float64
 	CpuThreads       float64
@@ -202,7 +205,10 @@ type FleetMachineStatesRow struct {
 // query stays fast at 100,000 machines. Its columns are cast because sqlc
 // does not know the columns of a function in FROM (no-ops to PostgreSQL).
 // Decommissioned machines have no Provided tag and are not counted: they
-// left the fleet.
+// left the fleet. silent_agents counts the machines of each state whose
+// agent is silent (machine_states' agent_silent, migration 00018): the
+// machines the recovery circuit breaker counts as silent, wherever the
+// state's precedence puts them.
 func (q *Queries) FleetMachineStates(ctx context.Context, arg FleetMachineStatesParams) ([]FleetMachineStatesRow, error) {
 	rows, err := q.db.Query(ctx, fleetMachineStates, arg.FirstHeartbeatTimeoutMs, arg.HeartbeatTimeoutMs)
 	if err != nil {
@@ -217,6 +223,7 @@ func (q *Queries) FleetMachineStates(ctx context.Context, arg FleetMachineStates
 			&i.Location,
 			&i.State,
 			&i.Machines,
+			&i.SilentAgents,
 			&i.HardwareMachines,
 			&i.MemoryBytes,
 			&i.CpuThreads,

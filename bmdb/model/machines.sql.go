@@ -180,7 +180,7 @@ func (q *Queries) MachineCountInState(ctx context.Context, arg MachineCountInSta
 
 const machineGet = `-- name: MachineGet :one
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state, s.agent_silent::boolean AS agent_silent
     FROM machine_states($2::bigint, $3::bigint) s
 )
 SELECT m.machine_id, m.created_at, m.decommissioned_at,
@@ -197,6 +197,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        COALESCE(p.provider_status, '')::text AS provider_status,
        p.provider_status_at,
        COALESCE(p.agent_phase, '')::text AS agent_phase,
+       COALESCE(ms.agent_silent, false)::boolean AS agent_silent,
        s.agent_started_at, s.agent_public_key,
        h.agent_heartbeat_at,
        hw.hardware_report_raw, hw.reported_at AS hardware_reported_at,
@@ -245,6 +246,7 @@ type MachineGetRow struct {
 	ProviderStatus          string
 	ProviderStatusAt        *time.Time
 	AgentPhase              string
+	AgentSilent             bool
 	AgentStartedAt          *time.Time
 	AgentPublicKey          []byte
 	AgentHeartbeatAt        *time.Time
@@ -289,6 +291,7 @@ func (q *Queries) MachineGet(ctx context.Context, arg MachineGetParams) (Machine
 		&i.ProviderStatus,
 		&i.ProviderStatusAt,
 		&i.AgentPhase,
+		&i.AgentSilent,
 		&i.AgentStartedAt,
 		&i.AgentPublicKey,
 		&i.AgentHeartbeatAt,

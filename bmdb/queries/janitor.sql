@@ -9,12 +9,17 @@
 -- query stays fast at 100,000 machines. Its columns are cast because sqlc
 -- does not know the columns of a function in FROM (no-ops to PostgreSQL).
 -- Decommissioned machines have no Provided tag and are not counted: they
--- left the fleet.
+-- left the fleet. silent_agents counts the machines of each state whose
+-- agent is silent (machine_states' agent_silent, migration 00018): the
+-- machines the recovery circuit breaker counts as silent, wherever the
+-- state's precedence puts them.
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state,
+           s.agent_silent::boolean AS agent_silent
     FROM machine_states(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) s
 )
 SELECT ms.provider, ms.location, ms.state, count(*) AS machines,
+       count(*) FILTER (WHERE ms.agent_silent) AS silent_agents,
        count(hw.machine_id) AS hardware_machines,
        COALESCE(sum(hw.memory_bytes), 0)::float8 AS memory_bytes,
        COALESCE(sum(hw.cpu_threads), 0)::float8 AS cpu_threads

@@ -280,7 +280,7 @@ WHERE l.state = @state::text
 -- MachineGet reads one machine and its tags. machine_states is inlined and
 -- the machine id pushed into it, so this reads primary key entries only.
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state, s.agent_silent::boolean AS agent_silent
     FROM machine_states(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) s
 )
 SELECT m.machine_id, m.created_at, m.decommissioned_at,
@@ -297,6 +297,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        COALESCE(p.provider_status, '')::text AS provider_status,
        p.provider_status_at,
        COALESCE(p.agent_phase, '')::text AS agent_phase,
+       COALESCE(ms.agent_silent, false)::boolean AS agent_silent,
        s.agent_started_at, s.agent_public_key,
        h.agent_heartbeat_at,
        hw.hardware_report_raw, hw.reported_at AS hardware_reported_at,
