@@ -34,8 +34,9 @@ type JanitorConfig struct {
 	// kept before they are deleted; default 7 days. History keeps their ids.
 	SessionRetention time.Duration
 	// FirstHeartbeatTimeout and HeartbeatTimeout decide which machines the
-	// gauges count as Silent, as the recoverer's do; defaults
-	// bmdb.DefaultFirstHeartbeatTimeout and bmdb.DefaultHeartbeatTimeout.
+	// gauges count as Silent; zero (the default) reads, every pass, the
+	// timeouts the recoverers recorded in the BMDB (bmdb.SilenceTimeouts,
+	// the defaults if none did), so that the gauges judge as they do.
 	FirstHeartbeatTimeout, HeartbeatTimeout time.Duration
 	// Lease is the session lease; default bmdb.DefaultLease.
 	Lease time.Duration
@@ -95,8 +96,6 @@ func NewJanitor(cfg JanitorConfig, db *bmdb.DB, reg prometheus.Registerer, log *
 	}
 	cfg.Period = cmp.Or(cfg.Period, defaultJanitorPeriod)
 	cfg.SessionRetention = cmp.Or(cfg.SessionRetention, defaultSessionRetention)
-	cfg.FirstHeartbeatTimeout = cmp.Or(cfg.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
-	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -188,8 +187,16 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 	if res.AdmissionsDeleted, err = j.db.DeleteRecoveryAdmissions(ctx); err != nil {
 		errs = append(errs, err)
 	}
+	first, hb := j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout
+	if first == 0 || hb == 0 {
+		t, terr := j.db.SilenceTimeouts(ctx)
+		if terr != nil {
+			errs = append(errs, terr)
+		}
+		first, hb = cmp.Or(first, t.FirstHeartbeat), cmp.Or(hb, t.Heartbeat)
+	}
 	start := time.Now()
-	snap, err := j.db.FleetSnapshot(ctx, j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout)
+	snap, err := j.db.FleetSnapshot(ctx, first, hb)
 	took := time.Since(start)
 	if err != nil {
 		errs = append(errs, err)

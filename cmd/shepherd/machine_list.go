@@ -76,12 +76,18 @@ func (c *machineCLI) listCommand() *cobra.Command {
 					return fmt.Errorf("--state %q is not a machine state: use one of %s", state, strings.Join(names, ", "))
 				}
 			}
-			f.FirstHeartbeatTimeout, f.HeartbeatTimeout = c.firstHeartbeatTimeout, c.heartbeatTimeout
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer db.Close()
+			// Silent is judged by the timeouts the recoverers recorded in
+			// the BMDB (the defaults if none did), as the recoverer judges.
+			timeouts, err := db.SilenceTimeouts(cmd.Context())
+			if err != nil {
+				return err
+			}
+			f.FirstHeartbeatTimeout, f.HeartbeatTimeout = timeouts.FirstHeartbeat, timeouts.Heartbeat
 			var machines []bmdb.MachineSummary
 			after := uuid.Nil
 			for len(machines) < limit {
@@ -123,6 +129,7 @@ func (c *machineCLI) listCommand() *cobra.Command {
 				return err
 			}
 			fmt.Fprintf(out, "%d of %d matching machines\n", len(machines), total)
+			fmt.Fprintf(out, "Silent judged by the %s\n", timeouts.Describe())
 			return nil
 		},
 	}
@@ -134,7 +141,6 @@ func (c *machineCLI) listCommand() *cobra.Command {
 	fl.BoolVar(&f.IncludeDecommissioned, "include-decommissioned", false, "list decommissioned machines too")
 	fl.IntVar(&limit, "limit", 100, "list at most this many machines")
 	c.bindOutput(cmd)
-	c.bindTimeouts(cmd)
 	return cmd
 }
 
