@@ -26,6 +26,8 @@ type listData struct {
 	NextURL   string
 	FirstURL  string
 	FirstPage bool
+	// Timeouts decided which machines are Silent.
+	Timeouts bmdb.SilenceTimeouts
 }
 
 // maxFilterLength bounds a filter value: longer ones cannot match anything
@@ -59,13 +61,17 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 			return nil, badRequest("after=%q is not a machine id", a)
 		}
 	}
+	var err error
+	if d.Timeouts, err = s.db.SilenceTimeouts(r.Context()); err != nil {
+		return nil, err
+	}
 	f := bmdb.MachineFilter{
 		Provider:              d.Provider,
 		Location:              d.Location,
 		State:                 bmdb.MachineState(d.State),
 		Search:                d.Search,
-		FirstHeartbeatTimeout: s.cfg.FirstHeartbeatTimeout,
-		HeartbeatTimeout:      s.cfg.HeartbeatTimeout,
+		FirstHeartbeatTimeout: d.Timeouts.FirstHeartbeat,
+		HeartbeatTimeout:      d.Timeouts.Heartbeat,
 		IncludeDecommissioned: d.Decom || d.State == string(bmdb.StateDecommissioned),
 	}
 	// The page and the count are independent statements that each scan
