@@ -88,18 +88,14 @@ func (db *DB) FleetSnapshot(ctx context.Context, firstHeartbeatTimeout, heartbea
 			snap.States = append(snap.States, FleetStateCount{
 				Provider: r.Provider, Location: r.Location, State: MachineState(r.State), Machines: r.Machines,
 				SilentAgents: r.SilentAgents})
-			if r.HardwareMachines == 0 {
-				continue
-			}
-			// Rows come ordered by provider and location: the states of
-			// one location are adjacent.
-			if n := len(snap.Hardware); n == 0 || snap.Hardware[n-1].Provider != r.Provider || snap.Hardware[n-1].Location != r.Location {
-				snap.Hardware = append(snap.Hardware, HardwareTotals{Provider: r.Provider, Location: r.Location})
-			}
-			h := &snap.Hardware[len(snap.Hardware)-1]
-			h.Machines += r.HardwareMachines
-			h.MemoryBytes += r.MemoryBytes
-			h.CPUThreads += r.CpuThreads
+		}
+		hw, err := q.FleetHardware(ctx)
+		if err != nil {
+			return fmt.Errorf("totalling hardware reports: %w", err)
+		}
+		for _, r := range hw {
+			snap.Hardware = append(snap.Hardware, HardwareTotals{Provider: r.Provider, Location: r.Location,
+				Machines: r.Machines, MemoryBytes: r.MemoryBytes, CPUThreads: r.CpuThreads})
 		}
 		work, err := q.FleetLiveWork(ctx)
 		if err != nil {
