@@ -187,16 +187,8 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 	if res.AdmissionsDeleted, err = j.db.DeleteRecoveryAdmissions(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	first, hb := j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout
-	if first == 0 || hb == 0 {
-		t, terr := j.db.SilenceTimeouts(ctx)
-		if terr != nil {
-			errs = append(errs, terr)
-		}
-		first, hb = cmp.Or(first, t.FirstHeartbeat), cmp.Or(hb, t.Heartbeat)
-	}
 	start := time.Now()
-	snap, err := j.db.FleetSnapshot(ctx, first, hb)
+	snap, err := j.fleetSnapshot(ctx)
 	took := time.Since(start)
 	if err != nil {
 		errs = append(errs, err)
@@ -307,4 +299,19 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 	for p, n := range s.Decommissioned {
 		gauge(fleetDecommissionedDesc, float64(n), p)
 	}
+}
+
+// fleetSnapshot reads the fleet gauges, judging silence by the configured
+// heartbeat timeouts or, where they are zero, by those the recoverers
+// recorded in the BMDB.
+func (j *Janitor) fleetSnapshot(ctx context.Context) (bmdb.FleetSnapshot, error) {
+	first, hb := j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout
+	if first == 0 || hb == 0 {
+		t, err := j.db.SilenceTimeouts(ctx)
+		if err != nil {
+			return bmdb.FleetSnapshot{}, fmt.Errorf("bmdb: reading the fleet gauges: %w", err)
+		}
+		first, hb = cmp.Or(first, t.FirstHeartbeat), cmp.Or(hb, t.Heartbeat)
+	}
+	return j.db.FleetSnapshot(ctx, first, hb)
 }
