@@ -1,6 +1,7 @@
 package bmdb_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -72,5 +73,40 @@ func TestHistoryNewestFirst(t *testing.T) {
 	}
 	if _, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m, BeforeID: -1}); err == nil {
 		t.Error("a negative cursor was accepted")
+	}
+}
+
+// TestFactStatesNeedFacts: no machine without facts beyond its Provided
+// tag is in a state of FactStates, whatever its provider status and agent
+// phase, so lists of those states may read the machines with facts only.
+func TestFactStatesNeedFacts(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	rows, err := db.Pool.Query(t.Context(), `
+		SELECT DISTINCT machine_state(st, ph, false, false, false, false, false, false, false, false, false)
+		FROM unnest(ARRAY['Missing', 'Provisioning', 'ProvisioningFailedPermanent', 'Running', 'Stopped', 'Unknown']) st,
+		     unnest(ARRAY['AwaitingAgent', 'AwaitingFirstHeartbeat', 'Heartbeating']) ph`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var plain []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		plain = append(plain, s)
+		if slices.Contains(bmdb.FactStates, bmdb.MachineState(s)) {
+			t.Errorf("a machine without facts can be %s, which lists read from the machines with facts only", s)
+		}
+	}
+	if rows.Err() != nil || len(plain) < 4 {
+		t.Fatalf("states without facts: %v, %v", plain, rows.Err())
+	}
+	// Every state is one or the other.
+	for _, s := range bmdb.MachineStates() {
+		if s != bmdb.StateDecommissioned && !slices.Contains(plain, string(s)) && !slices.Contains(bmdb.FactStates, s) {
+			t.Errorf("state %s is neither reachable without facts nor among FactStates", s)
+		}
 	}
 }
