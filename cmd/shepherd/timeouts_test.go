@@ -70,6 +70,22 @@ func TestSilenceJudgedByTheRecoverersTimeouts(t *testing.T) {
 	// No recoverer ever ran: the defaults, said to be defaults.
 	check(string(bmdb.StateHealthy), "defaults: no recoverer has recorded")
 
+	// The agent's key is shown one way by the CLI (table and JSON) and the
+	// machine page, as the initializer logs it.
+	key := bmdb.AgentKeyText(bmdbtest.Scalar[[]byte](t, db, "SELECT agent_public_key FROM machine_agent_started WHERE machine_id = $1", id))
+	if len(key) != 44 {
+		t.Fatalf("agent key text %q, want 44 characters of base64", key)
+	}
+	for _, args := range [][]string{{}, {"-o", "json"}} {
+		out, err := run(t, append([]string{"machine", "show", id.String(), "--database-url", db.URL}, args...)...)
+		if err != nil || !strings.Contains(out, key) {
+			t.Errorf("machine show %v lacks the agent key %s: %v\n%s", args, key, err, out)
+		}
+	}
+	if body := page("/machines/" + id.String()); !strings.Contains(body, key) {
+		t.Errorf("the machine page lacks the agent key %s", key)
+	}
+
 	// A recoverer with a 2-minute heartbeat timeout, for another provider
 	// (so that it leaves the machine alone: the timeouts are the fleet's).
 	fleet, err := sim.New(sim.Config{Name: "r", Machines: 1})
