@@ -24,9 +24,9 @@ const (
 
 // benchUIRender is P7: the server-side render time of the web UI's pages
 // on a fleet of 100,000 machines, the handler called directly (no network,
-// no browser): the first page of the machine list, the list filtered by a
-// state, a later page of a filtered list and a machine page; and, printed
-// apart, the overview.
+// no browser): the overview, the first page of the machine list, the list
+// filtered by a state, a later page of a filtered list and a machine page.
+// The figure is the p99 of the slowest page.
 func benchUIRender(ctx context.Context, e *env) error {
 	url, err := e.database(ctx, "p7")
 	if err != nil {
@@ -49,8 +49,9 @@ func benchUIRender(ctx context.Context, e *env) error {
 	srv, err := web.New(web.Config{
 		Providers: []string{"p"},
 		// The overview shows the breaker as `shepherd run` wires it.
-		Breaker: func(ctx context.Context, provider string) (web.BreakerState, error) {
-			b, err := manager.ReadBreaker(ctx, db, provider, manager.RecovererConfig{})
+		Breaker: func(ctx context.Context, provider string, t bmdb.SilenceTimeouts) (web.BreakerState, error) {
+			b, err := manager.ReadBreaker(ctx, db, provider,
+				manager.RecovererConfig{FirstHeartbeatTimeout: t.FirstHeartbeat, HeartbeatTimeout: t.Heartbeat})
 			return web.BreakerState{Started: b.Started, Silent: b.Silent, SilentFraction: b.SilentFraction,
 				RebootsInWindow: b.RebootsInWindow, Budget: b.Budget, Window: b.Window, Paused: b.Paused}, err
 		},
@@ -66,19 +67,16 @@ func benchUIRender(ctx context.Context, e *env) error {
 	if len(first) == 0 {
 		return fmt.Errorf("the fleet has no machines")
 	}
-	// The figure and its limit are about the pages operators open most:
-	// the list (first page, filtered by state, further on) and a machine.
-	// The overview is measured too and printed apart (overview_*): it
-	// counts the whole fleet by state, as the janitor's gauges do.
-	pages := []struct {
-		name, path string
-		limited    bool
-	}{
-		{"list", "/machines", true},
-		{"list_silent", "/machines?state=Silent", true},
-		{"list_healthy_page2", "", true},
-		{"machine", "/machines/" + first[0].MachineID.String(), true},
-		{"overview", "/", false},
+	// The figure and its limit hold for every page operators open: the
+	// overview (which counts the whole fleet by state, as the janitor's
+	// gauges do), the list (first page, filtered by state, further on)
+	// and a machine.
+	pages := []struct{ name, path string }{
+		{"overview", "/"},
+		{"list", "/machines"},
+		{"list_silent", "/machines?state=Silent"},
+		{"list_healthy_page2", ""},
+		{"machine", "/machines/" + first[0].MachineID.String()},
 	}
 	// The second page of Healthy machines: keyset pagination must not get
 	// slower further into the list.
@@ -90,16 +88,13 @@ func benchUIRender(ctx context.Context, e *env) error {
 	if err != nil || len(next) == 0 {
 		return fmt.Errorf("listing healthy machines: %v", err)
 	}
-	pages[2].path = "/machines?state=Healthy&after=" + next[len(next)-1].MachineID.String()
+	pages[3].path = "/machines?state=Healthy&after=" + next[len(next)-1].MachineID.String()
 
 	var worst, worstP50 float64
 	var worstPage string
 	var kv []any
 	for _, p := range pages {
 		n := p7Iterations
-		if !p.limited {
-			n = p7Iterations / 2 // informational, and the slowest
-		}
 		lat := make([]time.Duration, 0, n)
 		for i := range n + 5 {
 			start := time.Now()
@@ -115,15 +110,14 @@ func benchUIRender(ctx context.Context, e *env) error {
 		slices.Sort(lat)
 		p50, p99 := ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
 		kv = append(kv, p.name+"_p50_ms", p50, p.name+"_p99_ms", p99)
-		if p.limited && p99 > worst {
+		if p99 > worst {
 			worst, worstP50, worstPage = p99, p50, p.name
 		}
 	}
-	// value is the median of the slowest page (by p99); the limit holds
-	// its p99.
-	args := append([]any{"p99", worst, "limit", p7LimitMs, "limit_ratio", worst / p7LimitMs,
+	// value is the p99 of the slowest page, which the limit holds.
+	args := append([]any{"p50", worstP50, "limit", p7LimitMs, "limit_ratio", worst / p7LimitMs,
 		"worst_page", worstPage, "machines", p7Machines, "requests", p7Iterations}, kv...)
-	report("P7", "ui_render_ms", worstP50, args...)
+	report("P7", "ui_render_ms", worst, args...)
 	return nil
 }
 

@@ -52,3 +52,6 @@ func (db *DB) explainCaptured(ctx context.Context, run func(q *model.Queries) er
 func (db *DB) ExplainAnalyzeCandidates(ctx context.Context, process Process, c Candidates) ([]QueryPlan, error) {
 	return db.explainCandidates(ctx, process, c, "EXPLAIN (ANALYZE, BUFFERS) ")
 }
+
+// FactStates are the states only a machine with facts can be in.
+var FactStates = factStates

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -31,15 +33,25 @@ type HistoryFilter struct {
 	Until     time.Time // before
 	// AfterID continues a listing after the row with this id (a page cursor).
 	AfterID int64
+	// BeforeID, if > 0, returns only rows before the row with this id (a
+	// page cursor for NewestFirst).
+	BeforeID int64
+	// NewestFirst returns the newest matching rows, newest first, rather
+	// than the oldest in the order they were written.
+	NewestFirst bool
 	// Limit bounds the rows History returns (default 1000, at most 100,000);
 	// ExportHistory uses it as its page size.
 	Limit int
 }
 
-// History returns history rows matching f in the order they were written.
+// History returns history rows matching f in the order they were written,
+// or newest first with f.NewestFirst.
 func (db *DB) History(ctx context.Context, f HistoryFilter) ([]HistoryEvent, error) {
 	if f.Limit < 0 {
 		return nil, fmt.Errorf("bmdb: history limit must be >= 0 (0 = default), got %d", f.Limit)
+	}
+	if f.AfterID < 0 || f.BeforeID < 0 {
+		return nil, fmt.Errorf("bmdb: history cursors must be >= 0, got after %d and before %d", f.AfterID, f.BeforeID)
 	}
 	limit := f.Limit
 	if limit == 0 {
@@ -59,7 +71,24 @@ func (db *DB) History(ctx context.Context, f HistoryFilter) ([]HistoryEvent, err
 	if !f.Until.IsZero() {
 		p.Until = &f.Until
 	}
-	rows, err := db.q.HistoryList(ctx, p)
+	var rows []model.WorkHistory
+	var err error
+	if f.NewestFirst || f.BeforeID > 0 {
+		before := f.BeforeID
+		if before == 0 {
+			before = math.MaxInt64
+		}
+		rows, err = db.q.HistoryListNewest(ctx, model.HistoryListNewestParams{
+			AfterID: p.AfterID, BeforeID: before, MachineID: p.MachineID, Process: p.Process,
+			Since: p.Since, Until: p.Until, RowLimit: p.RowLimit,
+		})
+		if !f.NewestFirst {
+			// The rows just before BeforeID, in the order they were written.
+			slices.Reverse(rows)
+		}
+	} else {
+		rows, err = db.q.HistoryList(ctx, p)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("bmdb: reading history: %w", err)
 	}

@@ -17,6 +17,10 @@ type FleetStateCount struct {
 	Provider, Location string
 	State              MachineState
 	Machines           int64
+	// SilentAgents counts those of Machines whose agent is silent by the
+	// recoverer's definition (MachineDetail.AgentSilent): the machines the
+	// recovery circuit breaker counts as silent, by the state they are in.
+	SilentAgents int64
 }
 
 // BackoffCount is the number of machines backed off (Quarantined false:
@@ -82,19 +86,16 @@ func (db *DB) FleetSnapshot(ctx context.Context, firstHeartbeatTimeout, heartbea
 		}
 		for _, r := range states {
 			snap.States = append(snap.States, FleetStateCount{
-				Provider: r.Provider, Location: r.Location, State: MachineState(r.State), Machines: r.Machines})
-			if r.HardwareMachines == 0 {
-				continue
-			}
-			// Rows come ordered by provider and location: the states of
-			// one location are adjacent.
-			if n := len(snap.Hardware); n == 0 || snap.Hardware[n-1].Provider != r.Provider || snap.Hardware[n-1].Location != r.Location {
-				snap.Hardware = append(snap.Hardware, HardwareTotals{Provider: r.Provider, Location: r.Location})
-			}
-			h := &snap.Hardware[len(snap.Hardware)-1]
-			h.Machines += r.HardwareMachines
-			h.MemoryBytes += r.MemoryBytes
-			h.CPUThreads += r.CpuThreads
+				Provider: r.Provider, Location: r.Location, State: MachineState(r.State), Machines: r.Machines,
+				SilentAgents: r.SilentAgents})
+		}
+		hw, err := q.FleetHardware(ctx)
+		if err != nil {
+			return fmt.Errorf("totalling hardware reports: %w", err)
+		}
+		for _, r := range hw {
+			snap.Hardware = append(snap.Hardware, HardwareTotals{Provider: r.Provider, Location: r.Location,
+				Machines: r.Machines, MemoryBytes: r.MemoryBytes, CPUThreads: r.CpuThreads})
 		}
 		work, err := q.FleetLiveWork(ctx)
 		if err != nil {

@@ -105,6 +105,23 @@ func TestFleetSnapshotMatchesFleetStates(t *testing.T) {
 		if len(got) != 2 {
 			t.Errorf("snapshot has providers %v, want p and q", got)
 		}
+		// The silent agents are what the circuit breaker counts: the
+		// recovery candidates by their tags, whatever state they are in.
+		for _, p := range []string{"p", "q"} {
+			var silent int64
+			for _, c := range snap.States {
+				if c.Provider == p {
+					silent += c.SilentAgents
+				}
+			}
+			want, err := db.CountMatching(t.Context(), bmdb.RecoveryCandidates(p, timeouts[0], timeouts[1]))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if silent != want || want == 0 {
+				t.Errorf("timeouts %v, provider %s: %d silent agents in the snapshot, %d recovery candidates by tags", timeouts, p, silent, want)
+			}
+		}
 	}
 
 	snap, err := db.FleetSnapshot(t.Context(), 0, 0)

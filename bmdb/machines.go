@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -35,6 +36,18 @@ var fleetStates = []MachineState{
 	StateProvided, StateAgentStarting, StateAwaitingFirstHeartbeat, StateHealthy, StateSilent, StateRecovering,
 	StateInstalling, StateInstalled, StateInstallFailed, StateBackedOff, StateQuarantined, StateMissing,
 	StateStopped, StateDecommissioning,
+}
+
+// factStates are the derived states only a machine with facts beyond its
+// Provided tag can be in (a decommission request, a backoff or quarantine,
+// live work, an installation, a silent agent: machine_state_facts,
+// migration 00018): machine_state gives none of them for a machine
+// without facts, whatever its provider status and agent phase
+// (TestFactStatesNeedFacts). Lists of these states read only the machines
+// with facts.
+var factStates = []MachineState{
+	StateDecommissioning, StateQuarantined, StateAgentStarting, StateRecovering, StateInstallFailed,
+	StateInstalling, StateBackedOff, StateSilent, StateInstalled,
 }
 
 // MachineStates returns every derived state a machine can be in, in the
@@ -285,6 +298,28 @@ func listFiltered(ctx context.Context, q *model.Queries, p filterParams, after u
 		}
 		return rows, nil
 	}
+	if slices.Contains(factStates, MachineState(p.state)) {
+		rs, err := q.MachineListInFactState(ctx, model.MachineListInFactStateParams{
+			FirstHeartbeatTimeoutMs: p.firstMs,
+			HeartbeatTimeoutMs:      p.heartbeatMs,
+			After:                   after,
+			State:                   p.state,
+			Provider:                p.provider,
+			Location:                p.location,
+			Search:                  p.search,
+			SearchPattern:           p.searchPattern,
+			SearchIDFrom:            p.searchIDFrom,
+			SearchIDTo:              p.searchIDTo,
+			SearchIp:                p.searchIP,
+			SearchNet:               p.searchNet,
+			SearchIpPrefix:          p.searchIPPrefix,
+			RowLimit:                rowLimit,
+		})
+		for _, r := range rs {
+			rows = append(rows, model.MachineListAllRow(r))
+		}
+		return rows, err
+	}
 	if p.state != "" {
 		rs, err := q.MachineListInState(ctx, model.MachineListInStateParams{
 			FirstHeartbeatTimeoutMs: p.firstMs,
@@ -357,6 +392,22 @@ func (db *DB) CountMachines(ctx context.Context, f MachineFilter) (int64, error)
 	}
 	q := model.New(customPlans{db.pool})
 	var n int64
+	if p.state != "" && p.search == "" && MachineState(p.state) != StateDecommissioned {
+		// Counted as the overview counts (FleetMachineStates: the
+		// machines without facts by their tags alone), not by working out
+		// every machine's state; provider and location are its groups.
+		rows, err := q.FleetMachineStates(ctx, model.FleetMachineStatesParams{
+			FirstHeartbeatTimeoutMs: p.firstMs, HeartbeatTimeoutMs: p.heartbeatMs})
+		if err != nil {
+			return 0, fmt.Errorf("bmdb: counting machines: %w", err)
+		}
+		for _, r := range rows {
+			if r.State == p.state && (p.provider == "" || r.Provider == p.provider) && (p.location == "" || r.Location == p.location) {
+				n += r.Machines
+			}
+		}
+		return n, nil
+	}
 	if p.state != "" {
 		n, err = q.MachineCountInState(ctx, model.MachineCountInStateParams{
 			FirstHeartbeatTimeoutMs: p.firstMs,
@@ -472,6 +523,23 @@ type MachineDetail struct {
 	// Ladder is the recovery ladder's progress: the rungs taken since the
 	// agent last heartbeated (DB.RecoveryStreak); empty when none.
 	Ladder []RungAttempt
+	// AgentSilent says the agent is silent by the recoverer's definition
+	// (with the timeouts the machine was read with), whatever State shows:
+	// a machine Recovering, BackedOff or Quarantined may have a silent
+	// agent. The circuit breaker counts these machines.
+	AgentSilent bool
+}
+
+// AgentStatus is what the agent is doing, as the CLI and the web UI show
+// it: "Silent" for a silent agent, whatever its tag phase (a phase of
+// Heartbeating only says that a heartbeat came since the agent started),
+// else the phase of the Provided tag (AwaitingAgent,
+// AwaitingFirstHeartbeat, Heartbeating); "" for a decommissioned machine.
+func (d MachineDetail) AgentStatus() string {
+	if d.AgentSilent {
+		return "Silent"
+	}
+	return string(d.Provided.AgentPhase)
 }
 
 // GetMachine returns a machine with all of its tags, read in one
@@ -567,6 +635,7 @@ func machineDetail(r model.MachineGetRow) MachineDetail {
 		HostKeyRecordedAt: r.HostKeyRecordedAt,
 		OfferedHostKey:    r.OfferedHostKey,
 		OfferedHostKeyAt:  r.HostKeyOfferedAt,
+		AgentSilent:       r.AgentSilent,
 	}
 	if r.ProviderIPAddress != nil {
 		d.Address = *r.ProviderIPAddress

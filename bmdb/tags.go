@@ -3,6 +3,7 @@ package bmdb
 import (
 	"context"
 	"crypto/ed25519"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -80,6 +81,17 @@ func (t *Tx) AddMachine(ctx context.Context, p Provided) (uuid.UUID, error) {
 		return uuid.Nil, fmt.Errorf("bmdb: adding machine %s/%s: %w", p.Provider, p.ProviderID, err)
 	}
 	return id, nil
+}
+
+// AgentKeyText renders an agent's public key (the raw ed25519 key of the
+// AgentStarted tag) the one way logs, the CLI and the web UI show it: the
+// key's 32 bytes in standard base64 (44 characters), as `shepherd machine
+// show` and the machine page print it and the initializer logs it.
+func AgentKeyText(key []byte) string {
+	if len(key) == 0 {
+		return ""
+	}
+	return base64.StdEncoding.EncodeToString(key)
 }
 
 // SetAgentStarted records that the agent was started now and answered with key.

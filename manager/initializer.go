@@ -208,7 +208,7 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	if err != nil {
 		return nil, err
 	}
-	t.Log.InfoContext(ctx, "agent started", "key", hex.EncodeToString(key[:8]))
+	t.Log.InfoContext(ctx, "agent started", "agent_key", bmdb.AgentKeyText(key))
 	return func(ctx context.Context, tx *bmdb.Tx) error {
 		if err := trust.save(ctx, tx); err != nil {
 			return err

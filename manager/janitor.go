@@ -34,8 +34,9 @@ type JanitorConfig struct {
 	// kept before they are deleted; default 7 days. History keeps their ids.
 	SessionRetention time.Duration
 	// FirstHeartbeatTimeout and HeartbeatTimeout decide which machines the
-	// gauges count as Silent, as the recoverer's do; defaults
-	// bmdb.DefaultFirstHeartbeatTimeout and bmdb.DefaultHeartbeatTimeout.
+	// gauges count as Silent; zero (the default) reads, every pass, the
+	// timeouts the recoverers recorded in the BMDB (bmdb.SilenceTimeouts,
+	// the defaults if none did), so that the gauges judge as they do.
 	FirstHeartbeatTimeout, HeartbeatTimeout time.Duration
 	// Lease is the session lease; default bmdb.DefaultLease.
 	Lease time.Duration
@@ -95,8 +96,6 @@ func NewJanitor(cfg JanitorConfig, db *bmdb.DB, reg prometheus.Registerer, log *
 	}
 	cfg.Period = cmp.Or(cfg.Period, defaultJanitorPeriod)
 	cfg.SessionRetention = cmp.Or(cfg.SessionRetention, defaultSessionRetention)
-	cfg.FirstHeartbeatTimeout = cmp.Or(cfg.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
-	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -189,7 +188,7 @@ func (j *Janitor) Pass(ctx context.Context) (JanitorResult, error) {
 		errs = append(errs, err)
 	}
 	start := time.Now()
-	snap, err := j.db.FleetSnapshot(ctx, j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout)
+	snap, err := j.fleetSnapshot(ctx)
 	took := time.Since(start)
 	if err != nil {
 		errs = append(errs, err)
@@ -300,4 +299,19 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 	for p, n := range s.Decommissioned {
 		gauge(fleetDecommissionedDesc, float64(n), p)
 	}
+}
+
+// fleetSnapshot reads the fleet gauges, judging silence by the configured
+// heartbeat timeouts or, where they are zero, by those the recoverers
+// recorded in the BMDB.
+func (j *Janitor) fleetSnapshot(ctx context.Context) (bmdb.FleetSnapshot, error) {
+	first, hb := j.cfg.FirstHeartbeatTimeout, j.cfg.HeartbeatTimeout
+	if first == 0 || hb == 0 {
+		t, err := j.db.SilenceTimeouts(ctx)
+		if err != nil {
+			return bmdb.FleetSnapshot{}, fmt.Errorf("bmdb: reading the fleet gauges: %w", err)
+		}
+		first, hb = cmp.Or(first, t.FirstHeartbeat), cmp.Or(hb, t.Heartbeat)
+	}
+	return j.db.FleetSnapshot(ctx, first, hb)
 }

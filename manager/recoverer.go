@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"os"
 	"sync"
 	"time"
 
@@ -191,8 +192,43 @@ func (rc *Recoverer) candidates() bmdb.Candidates {
 	return bmdb.RecoveryCandidates(rc.p.Name(), rc.cfg.FirstHeartbeatTimeout, rc.cfg.HeartbeatTimeout)
 }
 
-// Run runs the recoverer until ctx ends.
-func (rc *Recoverer) Run(ctx context.Context) error { return rc.runner.Run(ctx) }
+// Run runs the recoverer until ctx ends. It first records its heartbeat
+// timeouts in the BMDB (bmdb.RecordSilenceTimeouts), retrying meanwhile
+// until that succeeds, so that every surface judges Silent as it does.
+func (rc *Recoverer) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { rc.recordTimeouts(ctx) })
+	return rc.runner.Run(ctx)
+}
+
+// recordTimeoutsRetry is the pause between attempts to record the
+// timeouts while the BMDB is unreachable.
+const recordTimeoutsRetry = 5 * time.Second
+
+// recordTimeouts records the recoverer's heartbeat timeouts, retrying
+// until it succeeds or ctx ends.
+func (rc *Recoverer) recordTimeouts(ctx context.Context) {
+	host, _ := os.Hostname()
+	by := fmt.Sprintf("recoverer on %s (pid %d)", cmp.Or(host, "unknown host"), os.Getpid())
+	for {
+		err := rc.db.RecordSilenceTimeouts(ctx, rc.p.Name(), by, rc.cfg.FirstHeartbeatTimeout, rc.cfg.HeartbeatTimeout)
+		if err == nil {
+			rc.log.InfoContext(ctx, "recorded the heartbeat timeouts in the BMDB",
+				"first_heartbeat_timeout", rc.cfg.FirstHeartbeatTimeout, "heartbeat_timeout", rc.cfg.HeartbeatTimeout)
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		rc.log.WarnContext(ctx, "recording the heartbeat timeouts in the BMDB; retrying", "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(recordTimeoutsRetry):
+		}
+	}
+}
 
 // recover climbs the recovery ladder (SPEC §3.4) for one silent machine:
 // it takes the rung above the last one carried out since the agent's last

@@ -161,7 +161,7 @@ func (s *Server) confirm(a action) pageFunc {
 // fillConfirm fills in what the confirmation page of a shows about the
 // machine, and a fresh CSRF token.
 func (s *Server) fillConfirm(r *http.Request, a action, id uuid.UUID, d *confirmData) error {
-	m, err := s.db.GetMachineWithTimeouts(r.Context(), id, s.cfg.FirstHeartbeatTimeout, s.cfg.HeartbeatTimeout)
+	m, _, err := s.getMachine(r.Context(), id)
 	if errors.Is(err, bmdb.ErrNotFound) {
 		return notFound("machine %s does not exist", id)
 	} else if err != nil {

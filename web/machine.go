@@ -1,11 +1,14 @@
 package web
 
 import (
-	"encoding/base64"
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
+
+	"github.com/google/uuid"
 
 	"golang.org/x/crypto/ssh"
 	"google.golang.org/protobuf/proto"
@@ -14,8 +17,9 @@ import (
 	"github.com/shepherd/shepherd/bmdb"
 )
 
-// historyPage is how many history rows the machine page shows at once;
-// ?history_after=ID shows the next ones.
+// historyPage is how many history rows the machine page shows at once,
+// newest first: ?history_before=ID shows the ones older than that row,
+// ?history_after=ID the ones newer (keyset pages on the history id).
 const historyPage = 500
 
 // machineData is the machine page.
@@ -26,7 +30,7 @@ type machineData struct {
 	Hardware *hardwareView
 	HWError  string
 	Install  *installView
-	// AgentKey is the agent's public key (base64); HostKey the type and
+	// AgentKey is the agent's public key (bmdb.AgentKeyText); HostKey the type and
 	// SHA-256 fingerprint of the SSH host key, OfferedHostKey those of the
 	// key the machine presented instead, AcceptHostKey the CLI command that
 	// accepts it.
@@ -37,10 +41,15 @@ type machineData struct {
 	Power powerView
 	// Ladder is the recovery ladder's progress: the rungs taken since the
 	// agent's last heartbeat, oldest first.
-	Ladder       []bmdb.RungAttempt
-	History      []bmdb.HistoryEvent
-	HistoryNext  string
-	HistoryFirst bool
+	Ladder []bmdb.RungAttempt
+	// History is a page of the machine's history, newest first.
+	// HistoryOlder and HistoryNewer link to the neighbouring pages ("" if
+	// there is none), HistoryNewest to the first page unless this is it.
+	History                                   []bmdb.HistoryEvent
+	HistoryOlder, HistoryNewer, HistoryNewest string
+	// Timeouts decided the machine's state and whether its agent is
+	// silent.
+	Timeouts bmdb.SilenceTimeouts
 }
 
 // hardwareView is the decoded hardware report.
@@ -104,13 +113,17 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 	}
 	ctx := r.Context()
 	log := s.log.With("machine_id", id.String())
-	m, err := s.db.GetMachineWithTimeouts(ctx, id, s.cfg.FirstHeartbeatTimeout, s.cfg.HeartbeatTimeout)
+	hf, err := historyFilter(id, r)
+	if err != nil {
+		return nil, err
+	}
+	m, timeouts, err := s.getMachine(ctx, id)
 	if errors.Is(err, bmdb.ErrNotFound) {
 		return nil, notFound("machine %s does not exist", id)
 	} else if err != nil {
 		return nil, err
 	}
-	d := &machineData{M: m, Actions: s.cfg.Actions, Done: doneMessages[r.URL.Query().Get("done")]}
+	d := &machineData{M: m, Actions: s.cfg.Actions, Done: doneMessages[r.URL.Query().Get("done")], Timeouts: timeouts}
 	if len(m.HardwareReportRaw) > 0 {
 		var hw agentv1.HardwareReport
 		if err := proto.Unmarshal(m.HardwareReportRaw, &hw); err != nil {
@@ -120,9 +133,7 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 			d.Hardware = &hardwareView{Report: &hw, Firmware: firmwareName(hw.GetFirmwareMode())}
 		}
 	}
-	if len(m.AgentPublicKey) > 0 {
-		d.AgentKey = base64.StdEncoding.EncodeToString(m.AgentPublicKey)
-	}
+	d.AgentKey = bmdb.AgentKeyText(m.AgentPublicKey)
 	if len(m.HostKey) > 0 {
 		if k, err := ssh.ParsePublicKey(m.HostKey); err != nil {
 			d.HostKeyError = "the recorded key does not parse: " + err.Error()
@@ -154,19 +165,8 @@ func (s *Server) machine(_ http.ResponseWriter, r *http.Request) (*view, error) 
 		d.Install = iv
 	}
 
-	f := bmdb.HistoryFilter{MachineID: id, Limit: historyPage + 1}
-	if a := r.URL.Query().Get("history_after"); a != "" {
-		if f.AfterID, err = strconv.ParseInt(a, 10, 64); err != nil || f.AfterID < 0 {
-			return nil, badRequest("history_after=%q is not a history row id", a)
-		}
-	}
-	d.HistoryFirst = f.AfterID == 0
-	if d.History, err = s.db.History(ctx, f); err != nil {
+	if err := d.readHistory(ctx, s.db, hf); err != nil {
 		return nil, err
-	}
-	if len(d.History) > historyPage {
-		d.History = d.History[:historyPage]
-		d.HistoryNext = fmt.Sprintf("/machines/%s?history_after=%d#history", id, d.History[historyPage-1].ID)
 	}
 	log.DebugContext(ctx, "machine page", "history_rows", len(d.History))
 	return &view{Title: machineTitle(m.MachineSummary), Nav: "machines", Refresh: s.refreshSeconds(), Data: d}, nil
@@ -180,6 +180,77 @@ func machineTitle(m bmdb.MachineSummary) string {
 		return "Machine " + m.MachineID.String()
 	}
 	return fmt.Sprintf("Machine %s (%s)", m.ProviderID, m.Provider)
+}
+
+// historyFilter reads the history page the query asks for: the newest
+// events, those before ?history_before=ID or those after
+// ?history_after=ID, one more than a page to tell whether more follow.
+func historyFilter(id uuid.UUID, r *http.Request) (bmdb.HistoryFilter, error) {
+	f := bmdb.HistoryFilter{MachineID: id, Limit: historyPage + 1, NewestFirst: true}
+	q := r.URL.Query()
+	before, after := q.Get("history_before"), q.Get("history_after")
+	if before != "" && after != "" {
+		return f, badRequest("give history_before or history_after, not both")
+	}
+	var err error
+	if before != "" {
+		if f.BeforeID, err = strconv.ParseInt(before, 10, 64); err != nil || f.BeforeID < 1 {
+			return f, badRequest("history_before=%q is not a history row id", before)
+		}
+	}
+	if after != "" {
+		if f.AfterID, err = strconv.ParseInt(after, 10, 64); err != nil || f.AfterID < 0 {
+			return f, badRequest("history_after=%q is not a history row id", after)
+		}
+		// The page just after the row: read it oldest first, show it
+		// newest first.
+		f.NewestFirst = false
+	}
+	return f, nil
+}
+
+// readHistory reads the history page f and the links to its neighbours.
+func (d *machineData) readHistory(ctx context.Context, db *bmdb.DB, f bmdb.HistoryFilter) error {
+	events, err := db.History(ctx, f)
+	if err != nil {
+		return err
+	}
+	more := len(events) > historyPage
+	if more {
+		events = events[:historyPage]
+	}
+	if !f.NewestFirst {
+		slices.Reverse(events)
+	}
+	d.History = events
+	link := func(param string, id int64) string {
+		return fmt.Sprintf("/machines/%s?%s=%d#history", f.MachineID, param, id)
+	}
+	newest := f.BeforeID == 0 && f.NewestFirst
+	if !newest {
+		d.HistoryNewest = fmt.Sprintf("/machines/%s#history", f.MachineID)
+	}
+	if len(events) == 0 {
+		return nil
+	}
+	top, bottom := events[0].ID, events[len(events)-1].ID
+	switch {
+	case f.NewestFirst: // the newest page, or the one before BeforeID
+		if more {
+			d.HistoryOlder = link("history_before", bottom)
+		}
+		if !newest {
+			d.HistoryNewer = link("history_after", top)
+		}
+	default: // the page after AfterID
+		if more {
+			d.HistoryNewer = link("history_after", top)
+		}
+		if f.AfterID > 0 {
+			d.HistoryOlder = link("history_before", bottom)
+		}
+	}
+	return nil
 }
 
 func firmwareName(m agentv1.FirmwareMode) string {

@@ -30,6 +30,8 @@ type listData struct {
 	// the first page of this filter in each order, by order.
 	Sort     string
 	SortURLs map[string]string
+	// Timeouts decided which machines are Silent.
+	Timeouts bmdb.SilenceTimeouts
 }
 
 // sortProviderID is ?sort= of the list in provider id order (by provider,
@@ -73,13 +75,17 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 			return nil, badRequest("after=%q is not a machine id", a)
 		}
 	}
+	var err error
+	if d.Timeouts, err = s.db.SilenceTimeouts(r.Context()); err != nil {
+		return nil, err
+	}
 	f := bmdb.MachineFilter{
 		Provider:              d.Provider,
 		Location:              d.Location,
 		State:                 bmdb.MachineState(d.State),
 		Search:                d.Search,
-		FirstHeartbeatTimeout: s.cfg.FirstHeartbeatTimeout,
-		HeartbeatTimeout:      s.cfg.HeartbeatTimeout,
+		FirstHeartbeatTimeout: d.Timeouts.FirstHeartbeat,
+		HeartbeatTimeout:      d.Timeouts.Heartbeat,
 		IncludeDecommissioned: d.Decom || d.State == string(bmdb.StateDecommissioned),
 	}
 	cursor := bmdb.ProviderIDCursor{Provider: q.Get("after_provider"), ProviderID: q.Get("after_pid"), MachineID: after}

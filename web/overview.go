@@ -2,6 +2,7 @@ package web
 
 import (
 	"cmp"
+	"context"
 	"net/http"
 	"slices"
 	"sync"
@@ -20,6 +21,11 @@ type providerSummary struct {
 	Decommissioned int64
 	Breaker        *BreakerState
 	BreakerErr     string
+	// SilentAgents counts the machines whose agent is silent (what the
+	// breaker counts) by their derived state, and SilentAgentsTotal all of
+	// them, from the same snapshot as Counts.
+	SilentAgents      map[string]int64
+	SilentAgentsTotal int64
 }
 
 // processCounts is one row of the overview's work table.
@@ -31,27 +37,42 @@ type processCounts struct {
 type overviewData struct {
 	States    []string
 	Providers []*providerSummary
-	Total     *providerSummary
-	// Quarantined counts machines whose derived state is Quarantined.
-	Quarantined  int64
+	// Total counts the whole fleet per derived state: the cards and the
+	// All column of the state table show these very numbers.
+	Total        *providerSummary
 	Processes    []processCounts
 	Hardware     []bmdb.HardwareTotals
 	LiveSessions int
 	Breakers     bool
+	// Timeouts decided which machines are silent.
+	Timeouts bmdb.SilenceTimeouts
 }
 
 // overview shows the fleet: machines per derived state and provider, work,
 // backoffs and quarantines per process, hardware totals and each provider's
-// circuit breaker. The counts come from one consistent snapshot.
+// circuit breaker. The counts come from one consistent snapshot, with
+// silence judged by the timeouts the recoverers recorded; the breakers are
+// read meanwhile, judging by the same timeouts.
 func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error) {
 	ctx := r.Context()
-	// The snapshot scans the fleet; the sessions are read meanwhile.
+	timeouts, err := s.db.SilenceTimeouts(ctx)
+	if err != nil {
+		return nil, err
+	}
+	// The breakers of the configured providers are read alongside the
+	// snapshot; those of other providers with machines after it.
+	var names []string
+	if s.cfg.Breaker != nil {
+		names = s.cfg.Providers
+	}
+	// The snapshot scans the fleet; the sessions and the breakers are read
+	// meanwhile.
 	var snap bmdb.FleetSnapshot
 	var sessions []bmdb.SessionInfo
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		var err error
-		snap, err = s.db.FleetSnapshot(gctx, s.cfg.FirstHeartbeatTimeout, s.cfg.HeartbeatTimeout)
+		snap, err = s.db.FleetSnapshot(gctx, timeouts.FirstHeartbeat, timeouts.Heartbeat)
 		return err
 	})
 	g.Go(func() error {
@@ -59,11 +80,16 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 		sessions, err = s.db.ListSessions(gctx, false, maxSessions)
 		return err
 	})
+	breakers := make([]*providerSummary, len(names))
+	for i, name := range names {
+		breakers[i] = &providerSummary{Name: name}
+		g.Go(func() error { s.readBreaker(gctx, breakers[i], timeouts); return nil })
+	}
 	if err := g.Wait(); err != nil {
 		return nil, err
 	}
 	d := &overviewData{Total: &providerSummary{Name: "", Counts: map[string]int64{}}, Breakers: s.cfg.Breaker != nil,
-		LiveSessions: len(sessions)}
+		LiveSessions: len(sessions), Timeouts: timeouts}
 	for _, st := range bmdb.MachineStates() {
 		if st != bmdb.StateDecommissioned { // not in the fleet: counted apart
 			d.States = append(d.States, string(st))
@@ -73,7 +99,7 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	provider := func(name string) *providerSummary {
 		p := byName[name]
 		if p == nil {
-			p = &providerSummary{Name: name, Counts: map[string]int64{}}
+			p = &providerSummary{Name: name, Counts: map[string]int64{}, SilentAgents: map[string]int64{}}
 			byName[name] = p
 			d.Providers = append(d.Providers, p)
 		}
@@ -82,10 +108,16 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	for _, name := range s.cfg.Providers {
 		provider(name)
 	}
+	for _, b := range breakers {
+		p := provider(b.Name)
+		p.Breaker, p.BreakerErr = b.Breaker, b.BreakerErr
+	}
 	for _, c := range snap.States {
 		p := provider(c.Provider)
 		p.Counts[string(c.State)] += c.Machines
 		p.Total += c.Machines
+		p.SilentAgents[string(c.State)] += c.SilentAgents
+		p.SilentAgentsTotal += c.SilentAgents
 		d.Total.Counts[string(c.State)] += c.Machines
 		d.Total.Total += c.Machines
 		if !slices.Contains(d.States, string(c.State)) { // a state this UI does not know yet
@@ -96,7 +128,6 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 		provider(name).Decommissioned = n
 		d.Total.Decommissioned += n
 	}
-	d.Quarantined = d.Total.Counts[string(bmdb.StateQuarantined)]
 	slices.SortFunc(d.Providers, func(a, b *providerSummary) int { return cmp.Compare(a.Name, b.Name) })
 
 	procs := map[bmdb.Process]*processCounts{}
@@ -126,21 +157,29 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	})
 
 	if s.cfg.Breaker != nil {
-		// One breaker per provider, read side by side: each is a few
-		// counts over the provider's machines.
+		// The providers with machines but not configured: their breakers
+		// now, side by side.
 		var wg sync.WaitGroup
 		for _, p := range d.Providers {
-			wg.Go(func() {
-				b, err := s.cfg.Breaker(ctx, p.Name)
-				if err != nil {
-					s.log.WarnContext(ctx, "reading the circuit breaker", "provider", p.Name, "err", err)
-					p.BreakerErr = "could not read the breaker; the server log has the details"
-					return
-				}
-				p.Breaker = &b
-			})
+			if !slices.Contains(names, p.Name) {
+				wg.Go(func() { s.readBreaker(ctx, p, timeouts) })
+			}
 		}
 		wg.Wait()
 	}
 	return &view{Title: "Fleet overview", Nav: "overview", Refresh: s.refreshSeconds(), Data: d}, nil
+}
+
+// readBreaker reads p's circuit breaker into it, judging silence by
+// timeouts; a failure is logged and shown in p's row.
+func (s *Server) readBreaker(ctx context.Context, p *providerSummary, timeouts bmdb.SilenceTimeouts) {
+	b, err := s.cfg.Breaker(ctx, p.Name, timeouts)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.WarnContext(ctx, "reading the circuit breaker", "provider", p.Name, "err", err)
+		}
+		p.BreakerErr = "could not read the breaker; the server log has the details"
+		return
+	}
+	p.Breaker = &b
 }

@@ -55,7 +55,7 @@ func (s *Server) powerMachine(ctx context.Context, d bmdb.MachineDetail) (powera
 // shows the hold under live work, then the result in history and in the
 // power state.
 func (s *Server) startPower(ctx context.Context, log *slog.Logger, a action, id uuid.UUID, reason string) (int, string, error) {
-	d, err := s.db.GetMachineWithTimeouts(ctx, id, s.cfg.FirstHeartbeatTimeout, s.cfg.HeartbeatTimeout)
+	d, _, err := s.getMachine(ctx, id)
 	if errors.Is(err, bmdb.ErrNotFound) {
 		return http.StatusNotFound, fmt.Sprintf("Machine %s does not exist.", id), nil
 	} else if err != nil {

@@ -37,6 +37,7 @@ func FuzzPageQuery(f *testing.F) {
 		"provider=sim&location=fra1&q=10.1.2.3", "q=10.1.0.0%2F16", "q=10.1.", "q=3f2a", "q=%3Cscript%3E",
 		"after=" + fl.healthy[0].String(), "after=nope", "q=" + strings.Repeat("x", 300),
 		"history_after=12", "history_after=-1", "history_after=99999999999999999999", "done=reset",
+		"history_before=12", "history_before=0", "history_before=-3", "history_before=x", "history_before=5&history_after=2",
 		"process=AgentStart", "process=Nope", "dead=on",
 		"q=%00", "provider=%FF%FE", "location=a%00b", "q=1.2.3.4%25eth0", "q=::ffff:10.1.2.3", "q=%5C%25_",
 		"state=Healthy&state=Silent", "q=%", "a=%zz&state=Healthy", ";;&&==",
@@ -47,6 +48,8 @@ func FuzzPageQuery(f *testing.F) {
 	}
 	f.Add(uint8(1), "history_after=0&done=nope")
 	f.Add(uint8(2), "history_after=1&done=reset")
+	f.Add(uint8(2), "history_before=3")
+	f.Add(uint8(1), "history_before=99999999999999999999")
 	f.Add(uint8(3), "process=AgentStart")
 	f.Add(uint8(3), "process=%00")
 	f.Add(uint8(4), "dead=on")

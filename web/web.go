@@ -34,6 +34,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/bmdb"
@@ -57,17 +58,15 @@ type Config struct {
 	// that is not loopback: the operator token would cross the network in
 	// clear.
 	TLSCertFile, TLSKeyFile string
-	// FirstHeartbeatTimeout and HeartbeatTimeout define a Silent machine,
-	// as the recoverer sees it; defaults bmdb.DefaultFirstHeartbeatTimeout
-	// and bmdb.DefaultHeartbeatTimeout.
-	FirstHeartbeatTimeout, HeartbeatTimeout time.Duration
 	// Providers are shown on the overview even while they have no machines
 	// (typically the provider this process runs); the providers that have
 	// machines in the BMDB are always shown.
 	Providers []string
 	// Breaker reads the recovery circuit breaker of a provider for the
-	// overview; nil leaves the breaker off the overview.
-	Breaker func(ctx context.Context, provider string) (BreakerState, error)
+	// overview, judging silence by timeouts (those the recoverers recorded
+	// in the BMDB, which decide Silent on every page: the UI has no
+	// timeouts of its own); nil leaves the breaker off the overview.
+	Breaker func(ctx context.Context, provider string, timeouts bmdb.SilenceTimeouts) (BreakerState, error)
 	// PageSize is the number of machines per list page; default 50, at most 1000.
 	PageSize int
 	// Refresh is how often the overview, machine and sessions pages reload
@@ -96,8 +95,6 @@ type Config struct {
 // Validate reports the first problem with the configuration. It changes nothing.
 func (c Config) Validate() error {
 	switch {
-	case c.FirstHeartbeatTimeout < 0 || c.HeartbeatTimeout < 0:
-		return errors.New("web: heartbeat timeouts must be >= 0 (0 = default)")
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
 		return fmt.Errorf("web: PageSize must be within [0, %d] (0 = default 50), got %d", maxPageSize, c.PageSize)
 	case c.PowerTimeout < 0:
@@ -162,8 +159,6 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	if db == nil {
 		return nil, errors.New("web: no BMDB")
 	}
-	cfg.FirstHeartbeatTimeout = cmp.Or(cfg.FirstHeartbeatTimeout, bmdb.DefaultFirstHeartbeatTimeout)
-	cfg.HeartbeatTimeout = cmp.Or(cfg.HeartbeatTimeout, bmdb.DefaultHeartbeatTimeout)
 	cfg.PageSize = cmp.Or(cfg.PageSize, 50)
 	cfg.Refresh = cmp.Or(cfg.Refresh, 10*time.Second)
 	cfg.PowerTimeout = cmp.Or(cfg.PowerTimeout, 5*time.Minute)
@@ -195,6 +190,18 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 		s.handler = strictTransport(s.handler)
 	}
 	return s, nil
+}
+
+// getMachine reads a machine with its state judged by the heartbeat
+// timeouts in force (bmdb.SilenceTimeouts: those the recoverers recorded),
+// which it returns too.
+func (s *Server) getMachine(ctx context.Context, id uuid.UUID) (bmdb.MachineDetail, bmdb.SilenceTimeouts, error) {
+	t, err := s.db.SilenceTimeouts(ctx)
+	if err != nil {
+		return bmdb.MachineDetail{}, t, err
+	}
+	m, err := s.db.GetMachineWithTimeouts(ctx, id, t.FirstHeartbeat, t.Heartbeat)
+	return m, t, err
 }
 
 // Handler returns the UI's HTTP handler. A caller that serves it itself

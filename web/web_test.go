@@ -550,7 +550,7 @@ func TestOverviewCountsAreTheBMDBs(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
 	bmdbtest.AddFleet(t, f.db, bmdbtest.Fleet{Provider: "big", Healthy: 11, AwaitingAgent: 4, Stale: 2})
-	s := newServer(t, f.db.DB, web.Config{Providers: []string{"empty"}, Breaker: func(_ context.Context, provider string) (web.BreakerState, error) {
+	s := newServer(t, f.db.DB, web.Config{Providers: []string{"empty"}, Breaker: func(_ context.Context, provider string, _ bmdb.SilenceTimeouts) (web.BreakerState, error) {
 		return web.BreakerState{Started: 13, Silent: 2, SilentFraction: 0.25, Budget: 1, Window: 10 * time.Minute}, nil
 	}})
 	body := s.get(t, "/")

@@ -69,3 +69,65 @@ func (q *Queries) HistoryList(ctx context.Context, arg HistoryListParams) ([]Wor
 	}
 	return items, nil
 }
+
+const historyListNewest = `-- name: HistoryListNewest :many
+SELECT history_id, machine_id, process, event, at, session_id, cause
+FROM work_history
+WHERE history_id > $1 AND history_id < $2
+  AND ($3::uuid IS NULL OR machine_id = $3)
+  AND ($4::text IS NULL OR process = $4)
+  AND ($5::timestamptz IS NULL OR at >= $5)
+  AND ($6::timestamptz IS NULL OR at < $6)
+ORDER BY history_id DESC
+LIMIT $7::integer
+`
+
+type HistoryListNewestParams struct {
+	AfterID   int64
+	BeforeID  int64
+	MachineID uuid.NullUUID
+	Process   *string
+	Since     *time.Time
+	Until     *time.Time
+	RowLimit  int32
+}
+
+// HistoryListNewest pages through history newest first: the last rows of
+// the id range (after_id, before_id), optionally for one machine, one
+// process and a time range. For one machine it reads work_history_machine
+// backwards from before_id.
+func (q *Queries) HistoryListNewest(ctx context.Context, arg HistoryListNewestParams) ([]WorkHistory, error) {
+	rows, err := q.db.Query(ctx, historyListNewest,
+		arg.AfterID,
+		arg.BeforeID,
+		arg.MachineID,
+		arg.Process,
+		arg.Since,
+		arg.Until,
+		arg.RowLimit,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []WorkHistory{}
+	for rows.Next() {
+		var i WorkHistory
+		if err := rows.Scan(
+			&i.HistoryID,
+			&i.MachineID,
+			&i.Process,
+			&i.Event,
+			&i.At,
+			&i.SessionID,
+			&i.Cause,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}

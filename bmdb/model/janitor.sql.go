@@ -127,6 +127,52 @@ func (q *Queries) FleetDecommissioned(ctx context.Context) ([]FleetDecommissione
 	return items, nil
 }
 
+const fleetHardware = `-- name: FleetHardware :many
+SELECT p.provider, p.provider_location AS location, count(*) AS machines,
+       COALESCE(sum(hw.memory_bytes), 0)::float8 AS memory_bytes,
+       COALESCE(sum(hw.cpu_threads), 0)::float8 AS cpu_threads
+FROM machine_hardware_report hw
+JOIN machine_provided p ON p.machine_id = hw.machine_id
+GROUP BY p.provider, p.provider_location
+ORDER BY p.provider, p.provider_location
+`
+
+type FleetHardwareRow struct {
+	Provider    string
+	Location    string
+	Machines    int64
+	MemoryBytes float64
+	CpuThreads  float64
+}
+
+// FleetHardware totals the hardware reports of the provided machines per
+// provider and location (from the columns extracted from the reports).
+func (q *Queries) FleetHardware(ctx context.Context) ([]FleetHardwareRow, error) {
+	rows, err := q.db.Query(ctx, fleetHardware)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []FleetHardwareRow{}
+	for rows.Next() {
+		var i FleetHardwareRow
+		if err := rows.Scan(
+			&i.Provider,
+			&i.Location,
+			&i.Machines,
+			&i.MemoryBytes,
+			&i.CpuThreads,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const fleetLiveWork = `-- name: FleetLiveWork :many
 SELECT w.process, count(*) AS work
 FROM work w
@@ -163,18 +209,42 @@ func (q *Queries) FleetLiveWork(ctx context.Context) ([]FleetLiveWorkRow, error)
 }
 
 const fleetMachineStates = `-- name: FleetMachineStates :many
-WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state
-    FROM machine_states($1::bigint, $2::bigint) s
+WITH facts AS (
+    SELECT p.provider, p.provider_location AS location, p.provider_status, p.agent_phase,
+           machine_state(p.provider_status, p.agent_phase, x.decommission_requested::boolean, x.quarantined::boolean,
+                         x.agent_starting::boolean, x.recovering::boolean, x.install_failed::boolean,
+                         x.install_pending::boolean, x.backed_off::boolean, x.silent::boolean, x.installed::boolean) AS state,
+           (x.silent::boolean AND p.provider_status NOT IN ('Missing', 'Stopped')) AS agent_silent
+    FROM machine_state_facts($1::bigint, $2::bigint) x
+    JOIN machine_provided p ON p.machine_id = x.machine_id::uuid
+),
+tags AS (
+    SELECT p.provider, p.provider_location AS location, p.provider_status, p.agent_phase, count(*) AS machines
+    FROM machine_provided p
+    GROUP BY p.provider, p.provider_location, p.provider_status, p.agent_phase
+),
+facts_by_tag AS (
+    SELECT f.provider, f.location, f.provider_status, f.agent_phase, count(*) AS machines
+    FROM facts f
+    GROUP BY f.provider, f.location, f.provider_status, f.agent_phase
+),
+counted AS (
+    SELECT t.provider, t.location,
+           machine_state(t.provider_status, t.agent_phase, false, false, false, false, false, false, false, false, false) AS state,
+           t.machines - COALESCE(b.machines, 0) AS machines, 0::bigint AS silent_agents
+    FROM tags t
+    LEFT JOIN facts_by_tag b ON b.provider = t.provider AND b.location = t.location
+         AND b.provider_status = t.provider_status AND b.agent_phase = t.agent_phase
+    UNION ALL
+    SELECT f.provider, f.location, f.state, 1::bigint, (CASE WHEN f.agent_silent THEN 1 ELSE 0 END)::bigint
+    FROM facts f
 )
-SELECT ms.provider, ms.location, ms.state, count(*) AS machines,
-       count(hw.machine_id) AS hardware_machines,
-       COALESCE(sum(hw.memory_bytes), 0)::float8 AS memory_bytes,
-       COALESCE(sum(hw.cpu_threads), 0)::float8 AS cpu_threads
-FROM ms
-LEFT JOIN machine_hardware_report hw ON hw.machine_id = ms.machine_id
-GROUP BY ms.provider, ms.location, ms.state
-ORDER BY ms.provider, ms.location, ms.state
+SELECT c.provider::text AS provider, c.location::text AS location, c.state::text AS state,
+       sum(c.machines)::bigint AS machines, sum(c.silent_agents)::bigint AS silent_agents
+FROM counted c
+GROUP BY c.provider, c.location, c.state
+HAVING sum(c.machines) > 0
+ORDER BY c.provider, c.location, c.state
 `
 
 type FleetMachineStatesParams struct {
@@ -183,26 +253,29 @@ type FleetMachineStatesParams struct {
 }
 
 type FleetMachineStatesRow struct {
-	Provider         string
-	Location         string
-	State            string
-	Machines         int64
-	HardwareMachines int64
-	MemoryBytes      float64
-	CpuThreads       float64
+	Provider     string
+	Location     string
+	State        string
+	Machines     int64
+	SilentAgents int64
 }
 
 // FleetMachineStates counts every provided machine per provider, location
-// and derived state (SPEC §3.7) for the janitor's fleet gauges, with the
-// hardware totals of those machines (from the columns extracted from their
-// hardware reports) in the same pass over the fleet. The state is
-// machine_states' (migration 00005), the one definition FleetStates and
-// the machine views read too; it reads machine_provided once and hash-joins
-// small relations, and so does the join with the hardware reports, so the
-// query stays fast at 100,000 machines. Its columns are cast because sqlc
-// does not know the columns of a function in FROM (no-ops to PostgreSQL).
-// Decommissioned machines have no Provided tag and are not counted: they
-// left the fleet.
+// and derived state (SPEC §3.7) for the janitor's fleet gauges and the
+// overview, by the one definition of the state, machine_state (migration
+// 00018), which machine_states and so the machine views apply too. It is
+// shaped for 100,000 machines: most machines have no fact beyond their
+// Provided tag (machine_state_facts: no backoff, work, installation,
+// silence), and their state follows from the tag alone, so the fleet is
+// counted by one aggregate over machine_provided, less the machines with
+// facts, which are counted one by one with their facts (a few hundred, read
+// through small tables and partial indexes). silent_agents counts the
+// machines of each state whose agent is silent (machine_states'
+// agent_silent): the machines the recovery circuit breaker counts as
+// silent, wherever the state's precedence puts them. Columns are cast
+// because sqlc does not know the columns of a function in FROM (no-ops to
+// PostgreSQL). Decommissioned machines have no Provided tag and are not
+// counted: they left the fleet.
 func (q *Queries) FleetMachineStates(ctx context.Context, arg FleetMachineStatesParams) ([]FleetMachineStatesRow, error) {
 	rows, err := q.db.Query(ctx, fleetMachineStates, arg.FirstHeartbeatTimeoutMs, arg.HeartbeatTimeoutMs)
 	if err != nil {
@@ -217,9 +290,7 @@ func (q *Queries) FleetMachineStates(ctx context.Context, arg FleetMachineStates
 			&i.Location,
 			&i.State,
 			&i.Machines,
-			&i.HardwareMachines,
-			&i.MemoryBytes,
-			&i.CpuThreads,
+			&i.SilentAgents,
 		); err != nil {
 			return nil, err
 		}

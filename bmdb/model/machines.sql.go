@@ -180,7 +180,7 @@ func (q *Queries) MachineCountInState(ctx context.Context, arg MachineCountInSta
 
 const machineGet = `-- name: MachineGet :one
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state, s.agent_silent::boolean AS agent_silent
     FROM machine_states($2::bigint, $3::bigint) s
 )
 SELECT m.machine_id, m.created_at, m.decommissioned_at,
@@ -197,6 +197,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        COALESCE(p.provider_status, '')::text AS provider_status,
        p.provider_status_at,
        COALESCE(p.agent_phase, '')::text AS agent_phase,
+       COALESCE(ms.agent_silent, false)::boolean AS agent_silent,
        s.agent_started_at, s.agent_public_key,
        h.agent_heartbeat_at,
        hw.hardware_report_raw, hw.reported_at AS hardware_reported_at,
@@ -245,6 +246,7 @@ type MachineGetRow struct {
 	ProviderStatus          string
 	ProviderStatusAt        *time.Time
 	AgentPhase              string
+	AgentSilent             bool
 	AgentStartedAt          *time.Time
 	AgentPublicKey          []byte
 	AgentHeartbeatAt        *time.Time
@@ -289,6 +291,7 @@ func (q *Queries) MachineGet(ctx context.Context, arg MachineGetParams) (Machine
 		&i.ProviderStatus,
 		&i.ProviderStatusAt,
 		&i.AgentPhase,
+		&i.AgentSilent,
 		&i.AgentStartedAt,
 		&i.AgentPublicKey,
 		&i.AgentHeartbeatAt,
@@ -684,6 +687,134 @@ func (q *Queries) MachineListFiltered(ctx context.Context, arg MachineListFilter
 	items := []MachineListFilteredRow{}
 	for rows.Next() {
 		var i MachineListFilteredRow
+		if err := rows.Scan(
+			&i.MachineID,
+			&i.State,
+			&i.Provider,
+			&i.ProviderID,
+			&i.ProviderLocation,
+			&i.ProviderIPAddress,
+			&i.ProviderStatus,
+			&i.AgentStartedAt,
+			&i.AgentHeartbeatAt,
+			&i.DecommissionedAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const machineListInFactState = `-- name: MachineListInFactState :many
+WITH listed AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_location, p.provider_ip_address,
+           machine_state(p.provider_status, p.agent_phase, x.decommission_requested::boolean, x.quarantined::boolean,
+                         x.agent_starting::boolean, x.recovering::boolean, x.install_failed::boolean,
+                         x.install_pending::boolean, x.backed_off::boolean, x.silent::boolean, x.installed::boolean) AS state
+    FROM machine_state_facts($1::bigint, $2::bigint) x
+    JOIN machine_provided p ON p.machine_id = x.machine_id::uuid
+),
+matched AS (
+    SELECT l.machine_id, l.state
+    FROM listed l
+    WHERE l.machine_id > $3::uuid
+      AND l.state = $4::text
+      AND ($5::text = '' OR l.provider = $5::text)
+      AND ($6::text = '' OR l.provider_location = $6::text)
+      AND ($7::text = ''
+           OR l.machine_id BETWEEN $8::uuid AND $9::uuid
+           OR l.provider_ip_address = $10::inet
+           OR l.provider_ip_address <<= $11::cidr
+           OR l.provider_id ILIKE $12::text
+           OR starts_with(host(l.provider_ip_address), $13::text))
+    OFFSET 0
+),
+page AS (
+    SELECT mt.machine_id, mt.state
+    FROM matched mt
+    ORDER BY mt.machine_id
+    LIMIT $14::integer
+)
+SELECT pg.machine_id, pg.state,
+       COALESCE(p.provider, d.provider, '')::text AS provider,
+       COALESCE(p.provider_id, d.provider_id, '')::text AS provider_id,
+       COALESCE(p.provider_location, d.provider_location, '')::text AS provider_location,
+       p.provider_ip_address,
+       COALESCE(p.provider_status, '')::text AS provider_status,
+       s.agent_started_at, h.agent_heartbeat_at, m.decommissioned_at
+FROM page pg
+JOIN machines m ON m.machine_id = pg.machine_id
+LEFT JOIN machine_provided p ON p.machine_id = pg.machine_id
+LEFT JOIN decommissioned_machines d ON d.machine_id = pg.machine_id
+LEFT JOIN machine_agent_started s ON s.machine_id = pg.machine_id
+LEFT JOIN machine_agent_heartbeat h ON h.machine_id = pg.machine_id
+ORDER BY pg.machine_id
+`
+
+type MachineListInFactStateParams struct {
+	FirstHeartbeatTimeoutMs int64
+	HeartbeatTimeoutMs      int64
+	After                   uuid.UUID
+	State                   string
+	Provider                string
+	Location                string
+	Search                  string
+	SearchIDFrom            uuid.NullUUID
+	SearchIDTo              uuid.NullUUID
+	SearchIp                *netip.Addr
+	SearchNet               *netip.Prefix
+	SearchPattern           string
+	SearchIpPrefix          *string
+	RowLimit                int32
+}
+
+type MachineListInFactStateRow struct {
+	MachineID         uuid.UUID
+	State             string
+	Provider          string
+	ProviderID        string
+	ProviderLocation  string
+	ProviderIPAddress *netip.Addr
+	ProviderStatus    string
+	AgentStartedAt    *time.Time
+	AgentHeartbeatAt  *time.Time
+	DecommissionedAt  *time.Time
+}
+
+// MachineListInFactState is MachineListInState for a state that only a
+// machine with facts beyond its Provided tag can be in (Silent, BackedOff,
+// Quarantined, Recovering, ...; bmdb.factStates): it works out the state of
+// those machines only (machine_state_facts, a few hundred in a running
+// fleet, through small tables and partial indexes), by the one definition
+// (machine_state, migration 00018), instead of every machine's.
+func (q *Queries) MachineListInFactState(ctx context.Context, arg MachineListInFactStateParams) ([]MachineListInFactStateRow, error) {
+	rows, err := q.db.Query(ctx, machineListInFactState,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.HeartbeatTimeoutMs,
+		arg.After,
+		arg.State,
+		arg.Provider,
+		arg.Location,
+		arg.Search,
+		arg.SearchIDFrom,
+		arg.SearchIDTo,
+		arg.SearchIp,
+		arg.SearchNet,
+		arg.SearchPattern,
+		arg.SearchIpPrefix,
+		arg.RowLimit,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []MachineListInFactStateRow{}
+	for rows.Next() {
+		var i MachineListInFactStateRow
 		if err := rows.Scan(
 			&i.MachineID,
 			&i.State,

@@ -169,6 +169,14 @@ type Session struct {
 	ClosedAt  *time.Time
 }
 
+type SilenceTimeout struct {
+	Setting   string
+	ValueMs   int64
+	Provider  string
+	WrittenBy string
+	WrittenAt time.Time
+}
+
 type Work struct {
 	MachineID        uuid.UUID
 	Process          string

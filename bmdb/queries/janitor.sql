@@ -1,27 +1,67 @@
 -- name: FleetMachineStates :many
 -- FleetMachineStates counts every provided machine per provider, location
--- and derived state (SPEC §3.7) for the janitor's fleet gauges, with the
--- hardware totals of those machines (from the columns extracted from their
--- hardware reports) in the same pass over the fleet. The state is
--- machine_states' (migration 00005), the one definition FleetStates and
--- the machine views read too; it reads machine_provided once and hash-joins
--- small relations, and so does the join with the hardware reports, so the
--- query stays fast at 100,000 machines. Its columns are cast because sqlc
--- does not know the columns of a function in FROM (no-ops to PostgreSQL).
--- Decommissioned machines have no Provided tag and are not counted: they
--- left the fleet.
-WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.provider::text AS provider, s.provider_location::text AS location, s.state::text AS state
-    FROM machine_states(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) s
+-- and derived state (SPEC §3.7) for the janitor's fleet gauges and the
+-- overview, by the one definition of the state, machine_state (migration
+-- 00018), which machine_states and so the machine views apply too. It is
+-- shaped for 100,000 machines: most machines have no fact beyond their
+-- Provided tag (machine_state_facts: no backoff, work, installation,
+-- silence), and their state follows from the tag alone, so the fleet is
+-- counted by one aggregate over machine_provided, less the machines with
+-- facts, which are counted one by one with their facts (a few hundred, read
+-- through small tables and partial indexes). silent_agents counts the
+-- machines of each state whose agent is silent (machine_states'
+-- agent_silent): the machines the recovery circuit breaker counts as
+-- silent, wherever the state's precedence puts them. Columns are cast
+-- because sqlc does not know the columns of a function in FROM (no-ops to
+-- PostgreSQL). Decommissioned machines have no Provided tag and are not
+-- counted: they left the fleet.
+WITH facts AS (
+    SELECT p.provider, p.provider_location AS location, p.provider_status, p.agent_phase,
+           machine_state(p.provider_status, p.agent_phase, x.decommission_requested::boolean, x.quarantined::boolean,
+                         x.agent_starting::boolean, x.recovering::boolean, x.install_failed::boolean,
+                         x.install_pending::boolean, x.backed_off::boolean, x.silent::boolean, x.installed::boolean) AS state,
+           (x.silent::boolean AND p.provider_status NOT IN ('Missing', 'Stopped')) AS agent_silent
+    FROM machine_state_facts(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) x
+    JOIN machine_provided p ON p.machine_id = x.machine_id::uuid
+),
+tags AS (
+    SELECT p.provider, p.provider_location AS location, p.provider_status, p.agent_phase, count(*) AS machines
+    FROM machine_provided p
+    GROUP BY p.provider, p.provider_location, p.provider_status, p.agent_phase
+),
+facts_by_tag AS (
+    SELECT f.provider, f.location, f.provider_status, f.agent_phase, count(*) AS machines
+    FROM facts f
+    GROUP BY f.provider, f.location, f.provider_status, f.agent_phase
+),
+counted AS (
+    SELECT t.provider, t.location,
+           machine_state(t.provider_status, t.agent_phase, false, false, false, false, false, false, false, false, false) AS state,
+           t.machines - COALESCE(b.machines, 0) AS machines, 0::bigint AS silent_agents
+    FROM tags t
+    LEFT JOIN facts_by_tag b ON b.provider = t.provider AND b.location = t.location
+         AND b.provider_status = t.provider_status AND b.agent_phase = t.agent_phase
+    UNION ALL
+    SELECT f.provider, f.location, f.state, 1::bigint, (CASE WHEN f.agent_silent THEN 1 ELSE 0 END)::bigint
+    FROM facts f
 )
-SELECT ms.provider, ms.location, ms.state, count(*) AS machines,
-       count(hw.machine_id) AS hardware_machines,
+SELECT c.provider::text AS provider, c.location::text AS location, c.state::text AS state,
+       sum(c.machines)::bigint AS machines, sum(c.silent_agents)::bigint AS silent_agents
+FROM counted c
+GROUP BY c.provider, c.location, c.state
+HAVING sum(c.machines) > 0
+ORDER BY c.provider, c.location, c.state;
+
+-- name: FleetHardware :many
+-- FleetHardware totals the hardware reports of the provided machines per
+-- provider and location (from the columns extracted from the reports).
+SELECT p.provider, p.provider_location AS location, count(*) AS machines,
        COALESCE(sum(hw.memory_bytes), 0)::float8 AS memory_bytes,
        COALESCE(sum(hw.cpu_threads), 0)::float8 AS cpu_threads
-FROM ms
-LEFT JOIN machine_hardware_report hw ON hw.machine_id = ms.machine_id
-GROUP BY ms.provider, ms.location, ms.state
-ORDER BY ms.provider, ms.location, ms.state;
+FROM machine_hardware_report hw
+JOIN machine_provided p ON p.machine_id = hw.machine_id
+GROUP BY p.provider, p.provider_location
+ORDER BY p.provider, p.provider_location;
 
 -- name: FleetLiveWork :many
 -- FleetLiveWork counts work held by live sessions, per process.

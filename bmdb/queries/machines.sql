@@ -231,6 +231,57 @@ LEFT JOIN machine_agent_started s ON s.machine_id = pg.machine_id
 LEFT JOIN machine_agent_heartbeat h ON h.machine_id = pg.machine_id
 ORDER BY pg.machine_id;
 
+-- name: MachineListInFactState :many
+-- MachineListInFactState is MachineListInState for a state that only a
+-- machine with facts beyond its Provided tag can be in (Silent, BackedOff,
+-- Quarantined, Recovering, ...; bmdb.factStates): it works out the state of
+-- those machines only (machine_state_facts, a few hundred in a running
+-- fleet, through small tables and partial indexes), by the one definition
+-- (machine_state, migration 00018), instead of every machine's.
+WITH listed AS (
+    SELECT p.machine_id, p.provider, p.provider_id, p.provider_location, p.provider_ip_address,
+           machine_state(p.provider_status, p.agent_phase, x.decommission_requested::boolean, x.quarantined::boolean,
+                         x.agent_starting::boolean, x.recovering::boolean, x.install_failed::boolean,
+                         x.install_pending::boolean, x.backed_off::boolean, x.silent::boolean, x.installed::boolean) AS state
+    FROM machine_state_facts(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) x
+    JOIN machine_provided p ON p.machine_id = x.machine_id::uuid
+),
+matched AS (
+    SELECT l.machine_id, l.state
+    FROM listed l
+    WHERE l.machine_id > @after::uuid
+      AND l.state = @state::text
+      AND (@provider::text = '' OR l.provider = @provider::text)
+      AND (@location::text = '' OR l.provider_location = @location::text)
+      AND (@search::text = ''
+           OR l.machine_id BETWEEN sqlc.narg(search_id_from)::uuid AND sqlc.narg(search_id_to)::uuid
+           OR l.provider_ip_address = sqlc.narg(search_ip)::inet
+           OR l.provider_ip_address <<= sqlc.narg(search_net)::cidr
+           OR l.provider_id ILIKE @search_pattern::text
+           OR starts_with(host(l.provider_ip_address), sqlc.narg(search_ip_prefix)::text))
+    OFFSET 0
+),
+page AS (
+    SELECT mt.machine_id, mt.state
+    FROM matched mt
+    ORDER BY mt.machine_id
+    LIMIT @row_limit::integer
+)
+SELECT pg.machine_id, pg.state,
+       COALESCE(p.provider, d.provider, '')::text AS provider,
+       COALESCE(p.provider_id, d.provider_id, '')::text AS provider_id,
+       COALESCE(p.provider_location, d.provider_location, '')::text AS provider_location,
+       p.provider_ip_address,
+       COALESCE(p.provider_status, '')::text AS provider_status,
+       s.agent_started_at, h.agent_heartbeat_at, m.decommissioned_at
+FROM page pg
+JOIN machines m ON m.machine_id = pg.machine_id
+LEFT JOIN machine_provided p ON p.machine_id = pg.machine_id
+LEFT JOIN decommissioned_machines d ON d.machine_id = pg.machine_id
+LEFT JOIN machine_agent_started s ON s.machine_id = pg.machine_id
+LEFT JOIN machine_agent_heartbeat h ON h.machine_id = pg.machine_id
+ORDER BY pg.machine_id;
+
 -- name: MachineCount :one
 -- MachineCount counts what MachineListFiltered lists, all pages together.
 WITH listed AS (
@@ -280,7 +331,7 @@ WHERE l.state = @state::text
 -- MachineGet reads one machine and its tags. machine_states is inlined and
 -- the machine id pushed into it, so this reads primary key entries only.
 WITH ms AS (
-    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state
+    SELECT s.machine_id::uuid AS machine_id, s.state::text AS state, s.agent_silent::boolean AS agent_silent
     FROM machine_states(@first_heartbeat_timeout_ms::bigint, @heartbeat_timeout_ms::bigint) s
 )
 SELECT m.machine_id, m.created_at, m.decommissioned_at,
@@ -297,6 +348,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        COALESCE(p.provider_status, '')::text AS provider_status,
        p.provider_status_at,
        COALESCE(p.agent_phase, '')::text AS agent_phase,
+       COALESCE(ms.agent_silent, false)::boolean AS agent_silent,
        s.agent_started_at, s.agent_public_key,
        h.agent_heartbeat_at,
        hw.hardware_report_raw, hw.reported_at AS hardware_reported_at,

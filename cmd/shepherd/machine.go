@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -24,9 +23,6 @@ import (
 type machineCLI struct {
 	db     databaseFlags
 	output string
-	// firstHeartbeatTimeout and heartbeatTimeout decide which machines are
-	// Silent, as the recoverer's flags of the same names do.
-	firstHeartbeatTimeout, heartbeatTimeout time.Duration
 }
 
 // Output formats of the machine and session commands.
@@ -40,21 +36,10 @@ func (c *machineCLI) bindOutput(cmd *cobra.Command) {
 	cmd.Flags().StringVarP(&c.output, "output", "o", outputTable, "output format: table or json")
 }
 
-// bindTimeouts adds the flags that decide Silent to cmd.
-func (c *machineCLI) bindTimeouts(cmd *cobra.Command) {
-	cmd.Flags().DurationVar(&c.firstHeartbeatTimeout, "first-heartbeat-timeout", bmdb.DefaultFirstHeartbeatTimeout,
-		"a started agent without a heartbeat for this long is Silent (as the recoverer's flag)")
-	cmd.Flags().DurationVar(&c.heartbeatTimeout, "heartbeat-timeout", bmdb.DefaultHeartbeatTimeout,
-		"an agent whose last heartbeat is older than this is Silent (as the recoverer's flag)")
-}
-
-// checkOutput validates --output and the timeouts before anything is read.
+// checkOutput validates --output before anything is read.
 func (c *machineCLI) checkOutput() error {
 	if c.output != outputTable && c.output != outputJSON {
 		return fmt.Errorf("--output %q is not an output format: use table or json", c.output)
-	}
-	if c.firstHeartbeatTimeout < 0 || c.heartbeatTimeout < 0 {
-		return errors.New("--first-heartbeat-timeout and --heartbeat-timeout must not be negative")
 	}
 	return nil
 }

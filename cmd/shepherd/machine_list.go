@@ -80,12 +80,18 @@ func (c *machineCLI) listCommand() *cobra.Command {
 					return fmt.Errorf("--state %q is not a machine state: use one of %s", state, strings.Join(names, ", "))
 				}
 			}
-			f.FirstHeartbeatTimeout, f.HeartbeatTimeout = c.firstHeartbeatTimeout, c.heartbeatTimeout
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer db.Close()
+			// Silent is judged by the timeouts the recoverers recorded in
+			// the BMDB (the defaults if none did), as the recoverer judges.
+			timeouts, err := db.SilenceTimeouts(cmd.Context())
+			if err != nil {
+				return err
+			}
+			f.FirstHeartbeatTimeout, f.HeartbeatTimeout = timeouts.FirstHeartbeat, timeouts.Heartbeat
 			machines, err := listMachines(cmd.Context(), db, f, sortBy, limit)
 			if errors.Is(err, bmdb.ErrInvalidFilter) {
 				return fmt.Errorf("invalid filter: %w", err)
@@ -118,6 +124,7 @@ func (c *machineCLI) listCommand() *cobra.Command {
 				return err
 			}
 			fmt.Fprintf(out, "%d of %d matching machines\n", len(machines), total)
+			fmt.Fprintf(out, "Silent judged by the %s\n", timeouts.Describe())
 			return nil
 		},
 	}
@@ -130,7 +137,6 @@ func (c *machineCLI) listCommand() *cobra.Command {
 	fl.IntVar(&limit, "limit", 100, "list at most this many machines")
 	fl.StringVar(&sortBy, "sort", sortMachineID, "order: "+sortMachineID+", or "+sortProviderID+" (by provider, then provider id)")
 	c.bindOutput(cmd)
-	c.bindTimeouts(cmd)
 	return cmd
 }
 

@@ -47,7 +47,7 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 			case all && (state != "" || providerName != ""):
 				return errors.New("--all selects every machine with a backoff: leave out --state and --provider, or --all")
 			}
-			f := bmdb.MachineFilter{Provider: providerName, FirstHeartbeatTimeout: c.firstHeartbeatTimeout, HeartbeatTimeout: c.heartbeatTimeout}
+			f := bmdb.MachineFilter{Provider: providerName}
 			if state != "" {
 				if f.State, err = parseState(state); err != nil {
 					return err
@@ -63,6 +63,13 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 			}
 			defer db.Close()
 			if len(args) == 0 {
+				// States are judged as the recoverer judges them, by the
+				// timeouts it recorded in the BMDB.
+				timeouts, err := db.SilenceTimeouts(cmd.Context())
+				if err != nil {
+					return err
+				}
+				f.FirstHeartbeatTimeout, f.HeartbeatTimeout = timeouts.FirstHeartbeat, timeouts.Heartbeat
 				return c.resetSelected(cmd, db, p, f, all, yes, cause)
 			}
 			ids := make([]uuid.UUID, len(args))
@@ -86,7 +93,6 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 	fl.StringVar(&providerName, "provider", "", "select the machines with a backoff for --process of this provider")
 	fl.BoolVar(&all, "all", false, "select every machine with a backoff for --process")
 	fl.BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation of a selected reset")
-	c.bindTimeouts(cmd)
 	return cmd
 }
 

@@ -25,13 +25,19 @@ import (
 // are null.
 type machineDetailJSON struct {
 	machineJSON
-	CreatedAt        time.Time       `json:"created_at"`
-	ReservationID    string          `json:"reservation_id"`
-	ProviderStatusAt *time.Time      `json:"provider_status_at"`
-	AgentPhase       string          `json:"agent_phase"`
-	AgentPublicKey   *string         `json:"agent_public_key"` // base64
-	HardwareReportAt *time.Time      `json:"hardware_report_at"`
-	HardwareReport   json.RawMessage `json:"hardware_report"`
+	CreatedAt        time.Time  `json:"created_at"`
+	ReservationID    string     `json:"reservation_id"`
+	ProviderStatusAt *time.Time `json:"provider_status_at"`
+	// AgentPhase is what the agent does: Silent for a silent agent, else
+	// the tag phase (AgentTagPhase).
+	AgentPhase     string  `json:"agent_phase"`
+	AgentTagPhase  string  `json:"agent_tag_phase"`
+	AgentSilent    bool    `json:"agent_silent"`
+	AgentPublicKey *string `json:"agent_public_key"` // bmdb.AgentKeyText
+	// SilenceTimeouts decided the state and AgentSilent.
+	SilenceTimeouts  silenceTimeoutsJSON `json:"silence_timeouts"`
+	HardwareReportAt *time.Time          `json:"hardware_report_at"`
+	HardwareReport   json.RawMessage     `json:"hardware_report"`
 	// HardwareReportError says why a stored report does not decode.
 	HardwareReportError *string              `json:"hardware_report_error"`
 	Installation        *installationJSON    `json:"installation"`
@@ -41,6 +47,16 @@ type machineDetailJSON struct {
 	DecommissionRequest *decommissionReqJSON `json:"decommission_request"`
 	Power               *powerJSON           `json:"power"`
 	RecoveryLadder      []rungJSON           `json:"recovery_ladder"`
+}
+
+// silenceTimeoutsJSON are the heartbeat timeouts a machine was judged by.
+type silenceTimeoutsJSON struct {
+	FirstHeartbeatTimeoutMs int64 `json:"first_heartbeat_timeout_ms"`
+	HeartbeatTimeoutMs      int64 `json:"heartbeat_timeout_ms"`
+	// Recorded is false when no recoverer recorded its timeouts: the
+	// defaults were used.
+	Recorded bool   `json:"recorded"`
+	Source   string `json:"source"`
 }
 
 // rungJSON is one rung of the recovery ladder taken since the last
@@ -137,12 +153,15 @@ func hostKey(raw []byte) (key, fingerprint string) {
 	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k))), ssh.FingerprintSHA256(k)
 }
 
-func detailJSON(d bmdb.MachineDetail) machineDetailJSON {
+func detailJSON(d bmdb.MachineDetail, t bmdb.SilenceTimeouts) machineDetailJSON {
 	j := machineDetailJSON{
 		machineJSON:      summaryJSON(d.MachineSummary),
 		CreatedAt:        d.CreatedAt,
 		ReservationID:    d.Provided.ReservationID,
-		AgentPhase:       string(d.Provided.AgentPhase),
+		AgentPhase:       d.AgentStatus(),
+		AgentTagPhase:    string(d.Provided.AgentPhase),
+		AgentSilent:      d.AgentSilent,
+		SilenceTimeouts:  silenceTimeoutsJSON{FirstHeartbeatTimeoutMs: t.FirstHeartbeat.Milliseconds(), HeartbeatTimeoutMs: t.Heartbeat.Milliseconds(), Recorded: t.Recorded, Source: t.Describe()},
 		HardwareReportAt: d.HardwareReportAt,
 		Work:             []workJSON{},
 		Backoffs:         []backoffJSON{},
@@ -152,7 +171,7 @@ func detailJSON(d bmdb.MachineDetail) machineDetailJSON {
 		j.ProviderStatusAt = &at
 	}
 	if len(d.AgentPublicKey) > 0 {
-		k := base64.StdEncoding.EncodeToString(d.AgentPublicKey)
+		k := bmdb.AgentKeyText(d.AgentPublicKey)
 		j.AgentPublicKey = &k
 	}
 	if len(d.HardwareReportRaw) > 0 {
@@ -232,31 +251,37 @@ func (c *machineCLI) showCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			d, err := db.GetMachineWithTimeouts(cmd.Context(), id, c.firstHeartbeatTimeout, c.heartbeatTimeout)
+			// Silent is judged by the timeouts the recoverers recorded in
+			// the BMDB (the defaults if none did), as the recoverer judges.
+			timeouts, err := db.SilenceTimeouts(cmd.Context())
+			if err != nil {
+				return err
+			}
+			d, err := db.GetMachineWithTimeouts(cmd.Context(), id, timeouts.FirstHeartbeat, timeouts.Heartbeat)
 			if errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist", id)
 			} else if err != nil {
 				return err
 			}
 			if c.output == outputJSON {
-				return writeJSON(cmd.OutOrStdout(), detailJSON(d))
+				return writeJSON(cmd.OutOrStdout(), detailJSON(d, timeouts))
 			}
-			return writeDetail(cmd.OutOrStdout(), d)
+			return writeDetail(cmd.OutOrStdout(), d, timeouts)
 		},
 	}
 	c.bindOutput(cmd)
-	c.bindTimeouts(cmd)
 	return cmd
 }
 
 // writeDetail writes a machine as aligned "field: value" lines, section by
 // section.
-func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
+func writeDetail(out io.Writer, d bmdb.MachineDetail, t bmdb.SilenceTimeouts) error {
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	line := func(k, format string, a ...any) { fmt.Fprintf(w, "%s:\t%s\n", k, fmt.Sprintf(format, a...)) }
 	section := func(name string) { fmt.Fprintf(w, "\n%s\n", name) }
 	line("Machine", "%s", d.MachineID)
 	line("State", "%s", d.State)
+	line("Silence timeouts", "%s", t.Describe())
 	line("Created", "%s", timeText(&d.CreatedAt))
 	if d.DecommissionedAt != nil {
 		line("Decommissioned", "%s", timeText(d.DecommissionedAt))
@@ -275,7 +300,11 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 		line("  Reservation", "%s", orDash(d.Provided.ReservationID))
 		statusAt := d.Provided.StatusAt
 		line("  Status", "%s since %s", d.ProviderStatus, timeText(&statusAt))
-		line("  Agent phase", "%s", d.Provided.AgentPhase)
+		if d.AgentSilent && d.Provided.AgentPhase != "" {
+			line("  Agent phase", "Silent (tag phase %s)", d.Provided.AgentPhase)
+		} else {
+			line("  Agent phase", "%s", d.AgentStatus())
+		}
 	} else {
 		line("  Provided", "no (what the decommission record kept)")
 	}
@@ -292,11 +321,7 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail) error {
 
 	section("Agent")
 	line("  Started", "%s", timeText(d.AgentStartedAt))
-	key := "-"
-	if len(d.AgentPublicKey) > 0 {
-		key = base64.StdEncoding.EncodeToString(d.AgentPublicKey)
-	}
-	line("  Public key", "%s", key)
+	line("  Public key", "%s", orDash(bmdb.AgentKeyText(d.AgentPublicKey)))
 	line("  Last heartbeat", "%s", timeText(d.LastHeartbeatAt))
 	if len(d.HostKey) > 0 {
 		k, fp := hostKey(d.HostKey)

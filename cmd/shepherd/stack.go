@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"crypto/x509"
 	"encoding/pem"
@@ -87,8 +86,9 @@ type stackConfig struct {
 	Listing     manager.ListingGuard
 	Provisioner manager.ProvisionerConfig
 	Updater     manager.UpdaterConfig
-	// Janitor's heartbeat timeouts default to the recoverer's, so that the
-	// gauges call Silent what the recoverer reboots.
+	// Janitor's heartbeat timeouts are left zero: it reads those the
+	// recoverers recorded in the BMDB, so that the gauges call Silent what
+	// the recoverer reboots.
 	Janitor        manager.JanitorConfig
 	Decommissioner manager.DecommissionerConfig
 }
@@ -256,10 +256,7 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 	}
 
 	if has(compJanitor) {
-		jc := cfg.Janitor
-		jc.FirstHeartbeatTimeout = cmp.Or(jc.FirstHeartbeatTimeout, cfg.Recoverer.FirstHeartbeatTimeout)
-		jc.HeartbeatTimeout = cmp.Or(jc.HeartbeatTimeout, cfg.Recoverer.HeartbeatTimeout)
-		j, err := manager.NewJanitor(jc, s.db, s.reg, s.log)
+		j, err := manager.NewJanitor(cfg.Janitor, s.db, s.reg, s.log)
 		if err != nil {
 			return err
 		}

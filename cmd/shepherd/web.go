@@ -12,6 +12,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/manager"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/web"
@@ -83,18 +84,19 @@ func (s *stack) buildWeb(b *parts) error {
 	wc := s.cfg.Web
 	rc := s.cfg.Recoverer
 	cfg := web.Config{
-		Listen:                wc.Listen,
-		TLSCertFile:           wc.TLSCert,
-		TLSKeyFile:            wc.TLSKey,
-		FirstHeartbeatTimeout: rc.FirstHeartbeatTimeout,
-		HeartbeatTimeout:      rc.HeartbeatTimeout,
-		Actions:               wc.Actions,
-		Registerer:            s.reg,
-		Logger:                s.log,
-		Power:                 s.powerController,
+		Listen:      wc.Listen,
+		TLSCertFile: wc.TLSCert,
+		TLSKeyFile:  wc.TLSKey,
+		Actions:     wc.Actions,
+		Registerer:  s.reg,
+		Logger:      s.log,
+		Power:       s.powerController,
 		// The breaker's state lives in the BMDB, so this process shows what
-		// every recoverer sees, with the same thresholds (the shared flags).
-		Breaker: func(ctx context.Context, provider string) (web.BreakerState, error) {
+		// every recoverer sees, with the same thresholds (the shared flags)
+		// and the heartbeat timeouts the recoverers recorded there.
+		Breaker: func(ctx context.Context, provider string, t bmdb.SilenceTimeouts) (web.BreakerState, error) {
+			rc := rc
+			rc.FirstHeartbeatTimeout, rc.HeartbeatTimeout = t.FirstHeartbeat, t.Heartbeat
 			b, err := manager.ReadBreaker(ctx, s.db, provider, rc)
 			return web.BreakerState{
 				Started: b.Started, Silent: b.Silent, SilentFraction: b.SilentFraction,
