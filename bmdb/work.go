@@ -107,7 +107,8 @@ func (s *Session) claim(ctx context.Context, process Process, what string, none 
 		}
 		if res.ExpiredCount > 0 {
 			m.workExpired.WithLabelValues(string(process)).Add(float64(res.ExpiredCount))
-			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.CandidateID.String(), "process", process)
+			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.CandidateID.String(), "process", process,
+				"dead_session_id", res.ExpiredSessions, "expired", res.ExpiredCount)
 		}
 		if !res.ClaimedID.Valid {
 			m.workConflicts.WithLabelValues(string(process)).Inc()

@@ -107,7 +107,8 @@ SELECT EXISTS (
 -- dead session; a row without claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -173,16 +174,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimAgentStartCandidatePlain :one
 -- ClaimAgentStartCandidatePlain is the baseline the benchmark compares
@@ -190,7 +193,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -254,16 +258,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ListDecommissionCandidates :many
 -- Decommission: provided machines an operator asked to decommission, oldest
@@ -365,7 +371,8 @@ SELECT EXISTS (
 -- dead session; a row without claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -433,16 +440,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimDecommissionCandidatePlain :one
 -- ClaimDecommissionCandidatePlain is the baseline the benchmark compares
@@ -450,7 +459,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -516,16 +526,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ListRecoveryCandidates :many
 -- Recovery: started machines whose agent is silent, longest silent first:
@@ -757,7 +769,19 @@ SELECT EXISTS (
 -- dead session; a row without claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -851,16 +875,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimRecoveryCandidatePlain :one
 -- ClaimRecoveryCandidatePlain is the baseline the benchmark compares
@@ -868,7 +894,19 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -960,16 +998,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: WorkHold :one
 -- WorkHold claims one named machine for a machine-exclusive process under
@@ -1043,9 +1083,11 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions, t.holder,
        t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
        t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
 FROM target t
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
