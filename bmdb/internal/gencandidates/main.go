@@ -312,7 +312,7 @@ CROSS JOIN (` + expiredCounts + `) x;
 
 // expiredCounts is the claims' report of the dead work they expired: how
 // many items, and the dead sessions that held them (comma-separated ids,
-// ” if none), so that the log names them.
+// empty if none), so that the log names them.
 const expiredCounts = `SELECT count(*) AS expired_count,
            COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
     FROM expired_history`
