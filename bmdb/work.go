@@ -155,9 +155,9 @@ func (w *Work) settle(ctx context.Context, err error, event Event, result string
 		case err != nil:
 		case ended == event:
 			resolved = true
-		case ended == EventFinished || ended == EventFailed || ended == EventCanceled:
+		case ended == EventFinished || ended == EventFailed || ended == EventCanceled || ended == EventHeld:
 			err = fmt.Errorf("%w: an earlier attempt to end %s on machine %s committed as %s", ErrWorkEnded, w.Process, w.MachineID, ended)
-			result = map[Event]string{EventFinished: resultFinished, EventFailed: resultFailed, EventCanceled: resultCanceled}[ended]
+			result = map[Event]string{EventFinished: resultFinished, EventFailed: resultFailed, EventCanceled: resultCanceled, EventHeld: resultHeld}[ended]
 		default:
 			err = ErrSessionExpired
 		}
@@ -341,7 +341,23 @@ func recordFailure(ctx context.Context, q *model.Queries, machine uuid.UUID, p P
 // already cancelled (typically during shutdown), using a fresh context with a
 // timeout instead.
 func (w *Work) Cancel(ctx context.Context) error {
-	return w.release(ctx, EventCanceled, "canceled", resultCanceled, "canceling")
+	return w.CancelWithCause(ctx, "canceled")
+}
+
+// CancelWithCause is Cancel with a cause on the Canceled history row: why
+// the work was given back unjudged ("the recoverer is stopping"). Like
+// Fail's, the cause is stored as valid UTF-8 without NUL bytes.
+func (w *Work) CancelWithCause(ctx context.Context, cause string) error {
+	return w.release(ctx, EventCanceled, safetext.Clean(cause), resultCanceled, "canceling")
+}
+
+// Hold ends the work as held back by a safety limit, without acting on the
+// machine and without judging it: it releases the lock and writes history
+// Held with cause (which limit, and its figures: "held by the circuit
+// breaker: ..."); the backoff is untouched. Like Cancel, it works even when
+// ctx is already cancelled.
+func (w *Work) Hold(ctx context.Context, cause string) error {
+	return w.release(ctx, EventHeld, safetext.Clean(cause), resultHeld, "holding back")
 }
 
 // FailWithoutBackoff ends the work as failed without backing the machine

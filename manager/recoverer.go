@@ -246,12 +246,15 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 		case bmdb.RebootBudgetExhausted:
 			// Other workers (or processes) took the last restarts of the
 			// window between our check and our claim: give the machine
-			// back unjudged.
+			// back unjudged, held by the breaker.
 			rc.breaker.refused(ctx)
-			return nil, errBreakerOpen
+			return nil, fmt.Errorf("held by the circuit breaker: %d restarts of %s's machines admitted in the last %s, "+
+				"the budget of the window is %d; the %s rung waits for the window to move on: %w",
+				a.InWindow, rc.p.Name(), rc.cfg.Window, budget, a.Rung, ErrHeld)
 		case bmdb.RebootNotSilent:
 			t.Log.InfoContext(ctx, "not recovering: the machine is no longer silent")
-			return nil, fmt.Errorf("the machine is no longer silent: %w", ErrRetryLater)
+			return nil, fmt.Errorf("not recovering: the machine is no longer silent (its agent heartbeat since the claim, "+
+				"or the provider reports it missing or stopped): %w", ErrRetryLater)
 		case bmdb.RebootAlreadyIssued:
 			// A worker took a rung for this agent incarnation and could
 			// not record it (it lost its session, or crashed): one rung
@@ -470,8 +473,6 @@ func (rc *Recoverer) powerCycle(ctx context.Context, t *Task) error {
 	t.Log.InfoContext(ctx, "power cycled", "bmc", bmc.Name, "found", found)
 	return nil
 }
-
-var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window used up: %w", ErrRetryLater)
 
 // breaker is the fleet-wide circuit breaker of SPEC §3.4. Its state comes
 // from the BMDB (reboots in the window, silent and started machines), so
