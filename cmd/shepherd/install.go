@@ -52,7 +52,7 @@ func newInstallCommand() *cobra.Command {
 				return err
 			}
 			defer d.Close()
-			gen, err := d.RequestInstallation(cmd.Context(), id, raw)
+			gen, err := d.RequestInstallation(cmd.Context(), id, operator(), raw)
 			if errors.Is(err, bmdb.ErrNotFound) {
 				return fmt.Errorf("machine %s does not exist or is not provided", id)
 			} else if err != nil {
@@ -103,8 +103,9 @@ func newInstallCommand() *cobra.Command {
 			if err := proto.Unmarshal(in.Request, &r); err != nil {
 				return fmt.Errorf("stored request of machine %s is corrupt: %w", id, err)
 			}
-			fmt.Fprintf(out, "machine %s: generation %d requested at %s: %s (sha256 %s) to %s, reboot %v\n",
-				id, in.RequestGeneration, in.RequestedAt.UTC().Format("2006-01-02T15:04:05Z"), r.GetImageUrl(), r.GetImageSha256(), r.GetTargetDevice(), r.GetRebootAfter())
+			fmt.Fprintf(out, "machine %s: generation %d requested at %s by %s: %s (sha256 %s) to %s, reboot %v\n",
+				id, in.RequestGeneration, in.RequestedAt.UTC().Format("2006-01-02T15:04:05Z"), orDash(in.RequestedBy),
+				r.GetImageUrl(), r.GetImageSha256(), r.GetTargetDevice(), r.GetRebootAfter())
 			switch {
 			case in.Report == nil:
 				fmt.Fprintln(out, "state: pending (no report yet)")
