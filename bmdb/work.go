@@ -100,7 +100,8 @@ func (s *Session) claim(ctx context.Context, process Process, what string, none 
 		}
 		if err != nil {
 			if outcomeUnknown(err) {
-				s.log.WarnContext(ctx, "claim's outcome unknown, will release what it may have taken", "process", process, "err", err)
+				s.db.failures.Warn(ctx, "claim's outcome unknown, will release what it may have taken",
+					"session_id", s.id.String(), "session_component", s.cfg.Component, "process", process, "err", err)
 				s.claimUnknown()
 			}
 			return nil, fmt.Errorf("bmdb: %s for %s: %w", what, process, err)

@@ -72,12 +72,16 @@ func TestBreakerHeldRebootIsRecordedAsHeld(t *testing.T) {
 	go func() { done <- rc.Run(ctx) }()
 	var last bmdb.HistoryEvent
 	bmdbtest.WaitFor(t, 60*time.Second, "the recovery ended", func(ctx context.Context) (bool, error) {
+		// The first end of the recovery (the stubbed breaker lets the
+		// worker claim the machine again at once).
 		h, err := db.History(ctx, bmdb.HistoryFilter{MachineID: silent, Process: bmdb.ProcessRecovery})
-		if err != nil || len(h) < 2 {
-			return false, err
+		for _, e := range h {
+			if e.Event != bmdb.EventStarted {
+				last = e
+				return true, err
+			}
 		}
-		last = h[len(h)-1]
-		return true, nil
+		return false, err
 	})
 	cancel()
 	if err := <-done; err != nil {
@@ -94,7 +98,7 @@ func TestBreakerHeldRebootIsRecordedAsHeld(t *testing.T) {
 	if b, err := db.GetBackoff(t.Context(), silent, bmdb.ProcessRecovery); err == nil {
 		t.Errorf("a held recovery backed the machine off: %+v", b)
 	}
-	if l := logs.With("held back"); len(l) != 1 || !strings.Contains(l[0].Attr("cause"), "circuit breaker") {
+	if l := logs.With("held back"); len(l) == 0 || !strings.Contains(l[0].Attr("cause"), "circuit breaker") {
 		t.Errorf("the held line does not name the breaker: %v", logs.With("held back"))
 	}
 }

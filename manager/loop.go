@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/ratelog"
 )
 
 // Task is one claimed machine handed to a loop's process function.
@@ -128,8 +129,11 @@ type Runner struct {
 	loop    Loop
 	db      *bmdb.DB
 	log     *slog.Logger
-	metrics *loopMetrics
-	name    string
+	// failures bounds the lines about failures every worker meets at once
+	// (a database outage): one per kind per interval, with a count.
+	failures *ratelog.Logger
+	metrics  *loopMetrics
+	name     string
 }
 
 // NewRunner validates cfg and returns a runner for loop. component names the
@@ -158,13 +162,15 @@ func NewRunner(component string, cfg LoopConfig, loop Loop, db *bmdb.DB, reg pro
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Runner{cfg: cfg, loop: loop, db: db, log: log.With("component", component), metrics: m, name: component}, nil
+	log = log.With("component", component)
+	return &Runner{cfg: cfg, loop: loop, db: db, log: log, failures: ratelog.New(log, 0), metrics: m, name: component}, nil
 }
 
 // Run runs the workers until ctx ends, then cancels their work, closes the
 // session and returns nil.
 func (r *Runner) Run(ctx context.Context) error {
 	limiter := r.cfg.QueryLimit.limiter(DefaultLimit())
+	defer r.failures.Flush()
 	return r.db.KeepSession(ctx, bmdb.SessionConfig{Component: r.name, Lease: r.cfg.Lease}, func(ctx context.Context, s *bmdb.Session) error {
 		g, gctx := errgroup.WithContext(ctx)
 		for i := range r.cfg.Parallelism {
@@ -210,7 +216,7 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 			return
 		case err != nil:
 			r.metrics.claims.WithLabelValues("error").Inc()
-			log.ErrorContext(ctx, "claiming work", "process", r.loop.Process, "err", err)
+			r.failures.Error(ctx, "claiming work", "process", r.loop.Process, "worker", id, "err", err)
 			sleep(ctx, jitter(r.cfg.IdleSleep))
 			continue
 		}

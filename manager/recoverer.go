@@ -14,6 +14,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/ratelog"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
@@ -482,6 +483,9 @@ type breaker struct {
 	// read computes the breaker from the BMDB: ReadBreaker with rc's
 	// provider and configuration.
 	read func(context.Context) (BreakerState, error)
+	// failures bounds the lines of failed reads (every worker reads
+	// before every claim): one per interval, with a count.
+	failures *ratelog.Logger
 
 	mu        sync.Mutex
 	checkedAt time.Time
@@ -504,6 +508,7 @@ func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
 		read: func(ctx context.Context) (BreakerState, error) {
 			return ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
 		},
+		failures: ratelog.New(rc.log, 0),
 		pausedGauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name:        "shepherd_recovery_breaker_paused",
 			Help:        "1 while the recoverer's circuit breaker holds reboots back, by reason (silent_fraction, reboot_budget).",
@@ -543,7 +548,7 @@ func (b *breaker) budget(ctx context.Context) (int64, error) {
 // allow reports whether the recoverer may claim now.
 func (b *breaker) allow(ctx context.Context) bool {
 	if err := b.refresh(ctx, false); err != nil {
-		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+		b.failures.Warn(ctx, "checking the circuit breaker", "err", err)
 		return false
 	}
 	b.mu.Lock()
@@ -555,7 +560,7 @@ func (b *breaker) allow(ctx context.Context) bool {
 // the other workers stop claiming at once.
 func (b *breaker) refused(ctx context.Context) {
 	if err := b.refresh(ctx, true); err != nil {
-		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+		b.failures.Warn(ctx, "checking the circuit breaker", "err", err)
 	}
 }
 
