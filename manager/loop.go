@@ -125,10 +125,10 @@ func (c LoopConfig) Validate(what string) error {
 // Runner runs one loop: Parallelism workers sharing one session, which is
 // replaced whenever it is lost.
 type Runner struct {
-	cfg     LoopConfig
-	loop    Loop
-	db      *bmdb.DB
-	log     *slog.Logger
+	cfg  LoopConfig
+	loop Loop
+	db   *bmdb.DB
+	log  *slog.Logger
 	// failures bounds the lines about failures every worker meets at once
 	// (a database outage): one per kind per interval, with a count.
 	failures *ratelog.Logger
