@@ -15,6 +15,8 @@
 -- duration_text formats an interval as Go's time.Duration.String does
 -- for whole seconds ("12m3s", "1h0m0s"), for causes written in SQL (the
 -- recovery claim's Started row names how long the machine has been silent).
+-- dead_session_cause is the cause of the Expired row of work a dead
+-- session held: which process it was, and when its lease ran out.
 
 -- +goose Up
 ALTER TABLE work_history DROP CONSTRAINT work_history_event_check;
@@ -42,12 +44,25 @@ $$;
 -- utc_text formats a timestamp as RFC 3339 in UTC to the second, as Go's
 -- time.RFC3339 does for a UTC time.
 CREATE FUNCTION utc_text(t timestamptz) RETURNS text
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+LANGUAGE sql STABLE STRICT PARALLEL SAFE AS $$
     SELECT to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
 $$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+CREATE FUNCTION dead_session_cause(session_id uuid, component text, hostname text, pid integer,
+                                   deadline timestamptz, closed_at timestamptz) RETURNS text
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT 'session ' || session_id::text || ' (' || component
+           || CASE WHEN hostname <> '' THEN ' on ' || hostname || ', pid ' || pid::text ELSE '' END || ') '
+           || CASE WHEN closed_at IS NOT NULL THEN 'was closed at ' || utc_text(closed_at) || ' without ending its work'
+                   ELSE 'expired: its lease ran out at ' || utc_text(deadline)
+                        || ' (the process stopped renewing it: it died, hung or lost the database)' END
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+DROP FUNCTION dead_session_cause(uuid, text, text, integer, timestamptz, timestamptz);
 DROP FUNCTION utc_text(timestamptz);
 DROP FUNCTION duration_text(interval);
 ALTER TABLE machine_os_installation_request DROP COLUMN delivered_generation, DROP COLUMN requested_by;

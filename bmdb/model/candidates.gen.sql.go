@@ -96,11 +96,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -241,11 +242,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -377,11 +379,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -524,11 +527,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -697,11 +701,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -885,11 +890,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -1595,11 +1601,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $1 OR (w.machine_exclusive AND $2::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),

@@ -240,10 +240,11 @@ WITH expired AS (
     USING sessions s
     WHERE s.session_id = w.session_id
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 )
 INSERT INTO work_history (machine_id, process, event, session_id, cause)
-SELECT machine_id, process, 'Expired', session_id, 'session ' || session_id::text || ' expired'
+SELECT machine_id, process, 'Expired', session_id, cause
 FROM expired
 RETURNING machine_id, process, session_id
 `

@@ -274,11 +274,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
