@@ -261,6 +261,8 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 			// not record it (it lost its session, or crashed): one rung
 			// per silence.
 			t.Log.WarnContext(ctx, "not recovering: a rung was taken for this agent already; handing it to the initializer")
+			t.Note = "no rung taken: one was taken for this agent already by a worker that could not record its end; " +
+				"handed to the initializer"
 			return clearAgent, nil
 		case bmdb.RebootStreakQuarantined:
 			return nil, errors.New(a.Cause)
