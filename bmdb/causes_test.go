@@ -83,3 +83,22 @@ func TestClaimLogsTheDeadSession(t *testing.T) {
 		t.Errorf("the log line names dead session %q, want %q", got, dead)
 	}
 }
+
+// Work canceled by its session's Close says whose session closed, so that
+// a Canceled row is not a mystery (issue 13 item 5).
+func TestCloseCancelsWithACause(t *testing.T) {
+	t.Parallel()
+	r := newRecovery(t)
+	m := r.silent()
+	s := bmdbtest.Session(t, r.db, "recoverer", time.Minute)
+	r.claim(s, m)
+	if err := s.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	host := bmdbtest.Scalar[string](t, r.db, "SELECT hostname || ', pid ' || pid FROM sessions WHERE session_id = $1", s.ID())
+	want := "session closed before the work ended (recoverer on " + host +
+		" is stopping or restarting its session); the machine is free for the next claim"
+	if got := bmdbtest.Scalar[string](t, r.db, "SELECT cause FROM work_history WHERE machine_id = $1 AND event = 'Canceled'", m); got != want {
+		t.Errorf("Canceled cause %q, want %q", got, want)
+	}
+}
