@@ -160,12 +160,15 @@ type ClaimAgentStartCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentStartCandidateParams) (ClaimAgentStartCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimAgentStartCandidate,
 		arg.Provider,
@@ -443,12 +446,15 @@ type ClaimDecommissionCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimDecommissionCandidate(ctx context.Context, arg ClaimDecommissionCandidateParams) (ClaimDecommissionCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimDecommissionCandidate,
 		arg.Provider,
@@ -767,12 +773,15 @@ type ClaimRecoveryCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryCandidateParams) (ClaimRecoveryCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimRecoveryCandidate,
 		arg.HeartbeatTimeoutMs,

@@ -99,12 +99,15 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
            p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
@@ -365,12 +368,15 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
            p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
@@ -765,12 +771,15 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
            p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
