@@ -252,6 +252,9 @@ func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log
 		// Stopping, or the session is gone: say so, without judging the
 		// machine.
 		cause := fmt.Errorf("the %s is stopping", r.name)
+		if s.Lost() {
+			cause = fmt.Errorf("the %s lost its session", r.name)
+		}
 		if err != nil {
 			cause = fmt.Errorf("%w (%w)", cause, err)
 		}
