@@ -52,7 +52,8 @@ func New(log *slog.Logger, interval time.Duration) *Logger {
 // Log logs msg with attrs at level, unless a line of key was logged less
 // than an interval ago: then it is held back and counted, and when the
 // interval ends the latest of the held occurrences is logged with the
-// attribute "repeated" (how many were held back) and "interval". Keys
+// attributes "repeated" (how many occurrences were held back since the
+// previous line) and "interval". Keys
 // must come from a closed set (kinds of failure, not machine ids), so
 // that the Logger stays small.
 func (l *Logger) Log(ctx context.Context, level slog.Level, key, msg string, attrs ...any) {
@@ -64,8 +65,19 @@ func (l *Logger) Log(ctx context.Context, level slog.Level, key, msg string, att
 	}
 	now := time.Now()
 	if st.last.IsZero() || now.Sub(st.last) >= l.interval {
-		st.last = now
+		// The window ended: this line gets through, and reports what the
+		// window held back if its timer has not yet (it fires at the same
+		// instant, and finds nothing left to report).
+		held := st.held
+		st.last, st.held, st.attrs = now, 0, nil
+		if st.timer != nil {
+			st.timer.Stop()
+			st.timer = nil
+		}
 		l.mu.Unlock()
+		if held > 0 {
+			attrs = append(slices.Clip(attrs), "repeated", held, "interval", l.interval)
+		}
 		l.log.Log(ctx, level, msg, attrs...)
 		return
 	}
