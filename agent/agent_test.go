@@ -422,7 +422,7 @@ func TestInstallation(t *testing.T) {
 		}
 		var gen int64
 		f.tx(func(ctx context.Context, tx *bmdb.Tx) error {
-			gen, err = tx.RequestInstallation(ctx, id, raw)
+			gen, err = tx.RequestInstallation(ctx, id, "test", raw)
 			return err
 		})
 		return gen

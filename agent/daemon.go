@@ -282,6 +282,7 @@ func (d *daemon) run(ctx context.Context) error {
 	installCtx, stopInstall := context.WithCancel(ctx)
 	defer stopInstall()
 	var backoff time.Duration
+	started, accepted := time.Now(), false
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
@@ -330,11 +331,16 @@ func (d *daemon) run(ctx context.Context) error {
 			// has. Doubling still backs off fast when the server is down.
 			backoff = min(max(2*backoff, 250*time.Millisecond), d.cfg.MaxBackoff)
 			wait := jitter(backoff)
-			d.log.WarnContext(ctx, "heartbeat failed, retrying", "err", err, "retry_in", wait.Round(time.Millisecond))
+			if expectedRefusal(err, accepted, time.Since(started)) {
+				d.log.InfoContext(ctx, "heartbeat refused: the initializer has not recorded this agent's key yet, retrying",
+					"err", err, "retry_in", wait.Round(time.Millisecond))
+			} else {
+				d.log.WarnContext(ctx, "heartbeat failed, retrying", "err", err, "retry_in", wait.Round(time.Millisecond))
+			}
 			timer.Reset(wait)
 			continue
 		}
-		backoff = 0
+		backoff, accepted = 0, true
 		if resp.Msg.GetHardwareReportRecorded() {
 			hw = nil
 		}
@@ -384,6 +390,20 @@ func (d *daemon) refuseUnknown(ctx context.Context, ir *agentv1.OSInstallationRe
 // retryPushback returns the jittered wait an Unavailable answer asks for
 // with gRPC's retry pushback, bounded to [minPushback, maxPushback], and
 // whether it asked for one.
+// firstHeartbeatGrace is how long after the daemon starts its heartbeats
+// may be refused as unauthenticated without a warning.
+const firstHeartbeatGrace = time.Minute
+
+// expectedRefusal reports whether a failed heartbeat is the expected race
+// of a new agent's first heartbeats with the initializer recording its key
+// (the takeover ends after the agent started): refused as unauthenticated,
+// before any heartbeat of this daemon was accepted, within
+// firstHeartbeatGrace of its start. Anything else (a refusal after the
+// server knew the key, or one that lasts) is an anomaly worth a warning.
+func expectedRefusal(err error, accepted bool, sinceStart time.Duration) bool {
+	return !accepted && sinceStart < firstHeartbeatGrace && connect.CodeOf(err) == connect.CodeUnauthenticated
+}
+
 func retryPushback(err error) (time.Duration, bool) {
 	var cerr *connect.Error
 	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable {

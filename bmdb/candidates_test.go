@@ -56,7 +56,7 @@ func (f fixture) install(id uuid.UUID, requests int, reportGen int64, success bo
 	f.t.Helper()
 	f.tx(func(ctx context.Context, tx *bmdb.Tx) error {
 		for range requests {
-			if _, err := tx.RequestInstallation(ctx, id, []byte("request")); err != nil {
+			if _, err := tx.RequestInstallation(ctx, id, "test", []byte("request")); err != nil {
 				return err
 			}
 		}

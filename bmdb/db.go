@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/ratelog"
 )
 
 // Config says which database to use and how. Zero values mean defaults.
@@ -60,11 +61,15 @@ func (c Config) Validate() error {
 // DB is an open BMDB: a connection pool, the schema version it found, and the
 // client metrics. It is safe for concurrent use.
 type DB struct {
-	pool    *pgxpool.Pool
-	q       *model.Queries
-	log     *slog.Logger
-	metrics *metrics
-	version int64
+	pool *pgxpool.Pool
+	q    *model.Queries
+	log  *slog.Logger
+	// failures bounds the lines about failures that repeat while the
+	// database is unreachable (session renewals, check-ins, claims): one
+	// per kind per interval, with a count.
+	failures *ratelog.Logger
+	metrics  *metrics
+	version  int64
 }
 
 // Open connects to the database, applies the embedded migrations (unless
@@ -93,7 +98,8 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bmdb: creating connection pool: %w", err)
 	}
-	db := &DB{pool: pool, q: model.New(pool), log: log.With("component", "bmdb")}
+	log = log.With("component", "bmdb")
+	db := &DB{pool: pool, q: model.New(pool), log: log, failures: ratelog.New(log, 0)}
 	if err := db.open(ctx, cfg, reg); err != nil {
 		pool.Close()
 		return nil, err
@@ -132,4 +138,7 @@ func redactedTarget(pool *pgxpool.Pool) string {
 func (db *DB) SchemaVersion() int64 { return db.version }
 
 // Close closes every connection. Sessions must be closed first.
-func (db *DB) Close() { db.pool.Close() }
+func (db *DB) Close() {
+	db.pool.Close()
+	db.failures.Flush()
+}

@@ -225,6 +225,10 @@ type Installation struct {
 	RequestGeneration int64
 	Request           []byte
 	RequestedAt       time.Time
+	// RequestedBy names who asked for the current request (the operator
+	// the CLI or the web UI recorded); "" for requests from before it was
+	// recorded.
+	RequestedBy string
 	// Report is nil until the agent reported on some generation.
 	Report     *InstallationReport
 	ReportedAt time.Time
@@ -248,6 +252,9 @@ func (db *DB) GetInstallation(ctx context.Context, machine uuid.UUID) (Installat
 	var in Installation
 	if r.RequestGeneration != nil {
 		in.RequestGeneration, in.Request = *r.RequestGeneration, r.RequestRaw
+		if r.RequestedBy != nil {
+			in.RequestedBy = *r.RequestedBy
+		}
 		if r.RequestedAt != nil {
 			in.RequestedAt = *r.RequestedAt
 		}
@@ -308,12 +315,13 @@ func (db *DB) GetAgentStarted(ctx context.Context, machine uuid.UUID) (time.Time
 
 // RequestInstallation stores an OS installation request (protobuf bytes)
 // for a provided machine under its next generation, which it returns; the
-// agent receives it with its next heartbeat. It returns an error wrapping
+// agent receives it with its next heartbeat. by names who asks (an
+// operator), for history and every view of the request. It returns an error wrapping
 // ErrDecommissioned if the machine was decommissioned or an operator asked
 // for it to be (GetDecommissioned tells which), and ErrNotFound if the
 // machine does not exist or is not provided otherwise. Operators make
 // requests outside any session.
-func (db *DB) RequestInstallation(ctx context.Context, machine uuid.UUID, request []byte) (int64, error) {
+func (db *DB) RequestInstallation(ctx context.Context, machine uuid.UUID, by string, request []byte) (int64, error) {
 	var gen int64
 	err := db.transact(ctx, func(ctx context.Context, q *model.Queries) error {
 		_, perr := q.MachineProvidedGet(ctx, machine)
@@ -331,7 +339,7 @@ func (db *DB) RequestInstallation(ctx context.Context, machine uuid.UUID, reques
 		case perr != nil:
 			return ErrNotFound
 		}
-		gen, err = (&Tx{q: q}).RequestInstallation(ctx, machine, request)
+		gen, err = (&Tx{q: q}).RequestInstallation(ctx, machine, by, request)
 		return err
 	})
 	switch {

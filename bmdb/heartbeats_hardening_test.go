@@ -254,7 +254,7 @@ func TestReinstallForgetsRecordedHostKey(t *testing.T) {
 			t.Fatal(err)
 		}
 		err := s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
-			_, err := tx.RequestInstallation(ctx, id, []byte("request"))
+			_, err := tx.RequestInstallation(ctx, id, "test", []byte("request"))
 			return err
 		})
 		if err != nil {

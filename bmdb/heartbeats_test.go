@@ -37,10 +37,10 @@ func TestRecordHeartbeats(t *testing.T) {
 				return err
 			}
 		}
-		if _, err := tx.RequestInstallation(ctx, a, []byte("gen1")); err != nil {
+		if _, err := tx.RequestInstallation(ctx, a, "test", []byte("gen1")); err != nil {
 			return err
 		}
-		if _, err := tx.RequestInstallation(ctx, installed, []byte("gen1")); err != nil {
+		if _, err := tx.RequestInstallation(ctx, installed, "test", []byte("gen1")); err != nil {
 			return err
 		}
 		return nil

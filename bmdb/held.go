@@ -88,7 +88,8 @@ func (s *Session) reconcileLoop(ctx context.Context) {
 				// Lost or closed: expiry or Close deals with the work.
 				return
 			}
-			s.log.WarnContext(ctx, "releasing work of claims with an unknown outcome failed, retrying", "err", err, "pause", pause)
+			s.db.failures.Warn(ctx, "releasing work of claims with an unknown outcome failed, retrying",
+				"session_id", s.id.String(), "session_component", s.cfg.Component, "err", err, "pause", pause)
 			retry = time.After(jitter(pause))
 			pause = min(2*pause, max(s.cfg.Lease/3, firstPause))
 			continue

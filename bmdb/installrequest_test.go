@@ -24,7 +24,7 @@ func TestRequestInstallationDecommissioned(t *testing.T) {
 	if err := db.RequestDecommission(t.Context(), m, "alice", "disk failed"); err != nil {
 		t.Fatal(err)
 	}
-	_, err := db.RequestInstallation(t.Context(), m, []byte("request"))
+	_, err := db.RequestInstallation(t.Context(), m, "tester", []byte("request"))
 	if !errors.Is(err, bmdb.ErrDecommissioned) || errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("requesting an installation on a machine being decommissioned: %v, want ErrDecommissioned", err)
 	}
@@ -35,14 +35,14 @@ func TestRequestInstallationDecommissioned(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = db.RequestInstallation(t.Context(), m, []byte("request"))
+	_, err = db.RequestInstallation(t.Context(), m, "tester", []byte("request"))
 	if !errors.Is(err, bmdb.ErrDecommissioned) || errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("requesting an installation on a decommissioned machine: %v, want ErrDecommissioned", err)
 	}
 	if in, err := db.GetInstallation(t.Context(), m); err != nil || in.RequestGeneration != 0 {
 		t.Errorf("installation of the decommissioned machine: %+v, %v; want none requested", in, err)
 	}
-	if _, err := db.RequestInstallation(t.Context(), uuid.New(), []byte("request")); !errors.Is(err, bmdb.ErrNotFound) || errors.Is(err, bmdb.ErrDecommissioned) {
+	if _, err := db.RequestInstallation(t.Context(), uuid.New(), "tester", []byte("request")); !errors.Is(err, bmdb.ErrNotFound) || errors.Is(err, bmdb.ErrDecommissioned) {
 		t.Errorf("requesting an installation on an unknown machine: %v, want ErrNotFound", err)
 	}
 }

@@ -665,6 +665,9 @@ func machineDetail(r model.MachineGetRow) MachineDetail {
 		if r.RequestedAt != nil {
 			in.RequestedAt = *r.RequestedAt
 		}
+		if r.InstallationRequestedBy != nil {
+			in.RequestedBy = *r.InstallationRequestedBy
+		}
 		if r.ReportGeneration != nil {
 			in.Report = &InstallationReport{Generation: *r.ReportGeneration, Raw: r.ReportRaw}
 			if r.ReportSuccess != nil {

@@ -66,7 +66,7 @@ var stateCases = []stateCase{
 		f.started(id, time.Hour)
 		f.heartbeat(id, time.Minute)
 		f.tx(func(ctx context.Context, tx *bmdb.Tx) error {
-			_, err := tx.RequestInstallation(ctx, id, []byte("request"))
+			_, err := tx.RequestInstallation(ctx, id, "test", []byte("request"))
 			return err
 		})
 	}, bmdb.StateInstalling},
@@ -423,10 +423,10 @@ func TestGetMachine(t *testing.T) {
 		if err := tx.SetAgentStarted(ctx, id, key); err != nil {
 			return err
 		}
-		if _, err := tx.RequestInstallation(ctx, id, []byte("req-1")); err != nil {
+		if _, err := tx.RequestInstallation(ctx, id, "test", []byte("req-1")); err != nil {
 			return err
 		}
-		if _, err := tx.RequestInstallation(ctx, id, []byte("req-2")); err != nil {
+		if _, err := tx.RequestInstallation(ctx, id, "test", []byte("req-2")); err != nil {
 			return err
 		}
 		if err := tx.ReportInstallation(ctx, id, bmdb.InstallationReport{Generation: 1, Success: false, Error: "bad image", Raw: []byte("rep")}); err != nil {

@@ -125,7 +125,8 @@ const (
 	resultFinished = "finished"
 	resultFailed   = "failed"
 	resultCanceled = "canceled"
+	resultHeld     = "held" // given back by a safety limit (history Held)
 	resultLost     = "lost" // the session expired before the work could be ended
 )
 
-var workResults = []string{resultFinished, resultFailed, resultCanceled, resultLost}
+var workResults = []string{resultFinished, resultFailed, resultCanceled, resultHeld, resultLost}

@@ -52,7 +52,7 @@ func (s *Session) Hold(ctx context.Context, process Process, machine uuid.UUID, 
 			return claimResult{}, fmt.Errorf("%w: machine %s is held by %s", ErrMachineBusy, machine, r.Holder)
 		}
 		return claimResult{
-			CandidateID: r.CandidateID, ClaimedID: r.ClaimedID, ExpiredCount: r.ExpiredCount,
+			CandidateID: r.CandidateID, ClaimedID: r.ClaimedID, ExpiredCount: r.ExpiredCount, ExpiredSessions: r.ExpiredSessions,
 			Provider: r.Provider, ProviderID: r.ProviderID, ProviderReservationID: r.ProviderReservationID,
 			ProviderIPAddress: r.ProviderIPAddress, ProviderLocation: r.ProviderLocation,
 			ProviderStatus: r.ProviderStatus, ProviderStatusAt: r.ProviderStatusAt, AgentPhase: r.AgentPhase,

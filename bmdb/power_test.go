@@ -144,9 +144,12 @@ func TestHoldExpiresDeadWork(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Hold of a machine a dead session held: %v", err)
 	}
+	host := bmdbtest.Scalar[string](t, db, "SELECT hostname || ', pid ' || pid FROM sessions WHERE session_id = $1", crashed.ID())
+	deadline := bmdbtest.Scalar[time.Time](t, db, "SELECT deadline FROM sessions WHERE session_id = $1", crashed.ID())
 	want := []string{
 		"AgentStart Started",
-		"AgentStart Expired session " + crashed.ID().String() + " expired",
+		"AgentStart Expired session " + crashed.ID().String() + " (recoverer on " + host + ") expired: its lease ran out at " +
+			deadline.UTC().Format(time.RFC3339) + " (the process stopped renewing it: it died, hung or lost the database)",
 		"Power Started power cycle by alice@host",
 	}
 	if diff := cmp.Diff(want, bmdbtest.History(t, db, m)); diff != "" {

@@ -62,4 +62,15 @@ const (
 	// EventRequested records an operator's request (decommission, OS
 	// installation); it starts no work by itself.
 	EventRequested Event = "Requested"
+	// EventHeld ends work that a safety limit gave back without acting
+	// (the recovery circuit breaker's reboot budget); the cause says
+	// which limit and its figures. Unlike Canceled it is not a shutdown.
+	EventHeld Event = "Held"
+	// EventInstalling, EventInstalled and EventInstallFailed record an
+	// OS installation's course (process Reinstall): the request handed to
+	// the agent, and the agent's report of success or failure (the cause
+	// carries its error). They start and end no work.
+	EventInstalling    Event = "Installing"
+	EventInstalled     Event = "Installed"
+	EventInstallFailed Event = "InstallFailed"
 )

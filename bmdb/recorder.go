@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/ratelog"
 )
 
 // RecorderCheckIn is how often a heartbeat recorder confirms it can write.
@@ -25,9 +26,10 @@ const RecorderCheckIn = time.Second
 // stops checking in, or whose process dies, holds recovery back for one
 // heartbeat timeout by itself.
 type HeartbeatRecorder struct {
-	db     *DB
-	log    *slog.Logger
-	failed atomic.Bool
+	db *DB
+	// failures bounds the check-in failure lines of an outage.
+	failures *ratelog.Logger
+	failed   atomic.Bool
 }
 
 // NewHeartbeatRecorder returns a recorder for a callback server using db.
@@ -35,7 +37,7 @@ func (db *DB) NewHeartbeatRecorder(log *slog.Logger) *HeartbeatRecorder {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &HeartbeatRecorder{db: db, log: log}
+	return &HeartbeatRecorder{db: db, failures: ratelog.New(log, 0)}
 }
 
 // Failed records that the server failed to record heartbeats: the next
@@ -76,7 +78,7 @@ func (r *HeartbeatRecorder) Run(ctx context.Context) error {
 			cancel()
 			if err != nil && ctx.Err() == nil {
 				r.failed.Store(true)
-				r.log.WarnContext(ctx, "heartbeat recorder check-in failed", "err", err)
+				r.failures.Warn(ctx, "heartbeat recorder check-in failed", "err", err)
 			}
 			select {
 			case <-ctx.Done():

@@ -17,7 +17,7 @@ func TestRequestsWriteHistory(t *testing.T) {
 	db := bmdbtest.New(t)
 	s := bmdbtest.Session(t, db, "test", time.Minute)
 	m := bmdbtest.AddMachine(t, db, s, "p")
-	gen, err := db.RequestInstallation(t.Context(), m, []byte("request"))
+	gen, err := db.RequestInstallation(t.Context(), m, "test", []byte("request"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,7 +37,7 @@ func TestRequestsWriteHistory(t *testing.T) {
 		}
 	}
 	want := []string{
-		"Reinstall: OS installation generation 1 requested",
+		"Reinstall: OS installation generation 1 requested by test",
 		"Decommission: decommission requested by alice: disk failed",
 	}
 	if gen != 1 || strings.Join(got, "\n") != strings.Join(want, "\n") {

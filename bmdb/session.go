@@ -218,7 +218,8 @@ func (s *Session) renew(ctx context.Context, localDeadline time.Time) {
 				s.lose(ctx, "renewals failed until the deadline passed: "+err.Error())
 				return
 			}
-			s.log.WarnContext(ctx, "session renewal failed, retrying", "err", err, "left", left.Round(time.Millisecond))
+			s.db.failures.Warn(ctx, "session renewal failed, retrying", "session_id", s.id.String(), "session_component", s.cfg.Component,
+				"err", err, "left", left.Round(time.Millisecond))
 			t.Reset(min(retry, left))
 		}
 	}
@@ -294,7 +295,10 @@ func (db *DB) KeepSession(ctx context.Context, cfg SessionConfig, fn func(ctx co
 			if ctx.Err() != nil {
 				return nil
 			}
-			db.log.WarnContext(ctx, "cannot start session, retrying", "session_component", cfg.Component, "err", err, "pause", pause)
+			// Every attempt at Debug; at Warn one line per interval for
+			// all components, with a count.
+			db.log.DebugContext(ctx, "cannot start session, retrying", "session_component", cfg.Component, "err", err, "pause", pause)
+			db.failures.Warn(ctx, "cannot start a session", "session_component", cfg.Component, "err", err)
 			if !sleep(ctx, jitter(pause)) {
 				return nil
 			}

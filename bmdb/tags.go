@@ -1,6 +1,7 @@
 package bmdb
 
 import (
+	"cmp"
 	"context"
 	"crypto/ed25519"
 	"encoding/base64"
@@ -13,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
+	"github.com/shepherd/shepherd/internal/safetext"
 )
 
 // ProviderStatus is what the provider last said about a machine.
@@ -123,15 +125,17 @@ func (t *Tx) RecordHeartbeat(ctx context.Context, machine uuid.UUID) error {
 }
 
 // RequestInstallation stores an OS installation request (protobuf bytes)
-// under the machine's next generation, which it returns.
-func (t *Tx) RequestInstallation(ctx context.Context, machine uuid.UUID, request []byte) (int64, error) {
-	gen, err := t.q.InstallationRequestSet(ctx, model.InstallationRequestSetParams{MachineID: machine, RequestRaw: request})
+// under the machine's next generation, which it returns, with by (who
+// asks) and a Requested history row naming both.
+func (t *Tx) RequestInstallation(ctx context.Context, machine uuid.UUID, by string, request []byte) (int64, error) {
+	by = safetext.Clean(by)
+	gen, err := t.q.InstallationRequestSet(ctx, model.InstallationRequestSetParams{MachineID: machine, RequestRaw: request, RequestedBy: by})
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: requesting installation on machine %s: %w", machine, err)
 	}
 	err = t.q.HistoryRequested(ctx, model.HistoryRequestedParams{
 		MachineID: machine, Process: string(ProcessReinstall),
-		Cause: fmt.Sprintf("OS installation generation %d requested", gen),
+		Cause: fmt.Sprintf("OS installation generation %d requested by %s", gen, cmp.Or(by, "an unnamed operator")),
 	})
 	if err != nil {
 		return 0, fmt.Errorf("bmdb: recording the installation request of machine %s in history: %w", machine, err)

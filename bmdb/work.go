@@ -100,14 +100,16 @@ func (s *Session) claim(ctx context.Context, process Process, what string, none 
 		}
 		if err != nil {
 			if outcomeUnknown(err) {
-				s.log.WarnContext(ctx, "claim's outcome unknown, will release what it may have taken", "process", process, "err", err)
+				s.db.failures.Warn(ctx, "claim's outcome unknown, will release what it may have taken",
+					"session_id", s.id.String(), "session_component", s.cfg.Component, "process", process, "err", err)
 				s.claimUnknown()
 			}
 			return nil, fmt.Errorf("bmdb: %s for %s: %w", what, process, err)
 		}
 		if res.ExpiredCount > 0 {
 			m.workExpired.WithLabelValues(string(process)).Add(float64(res.ExpiredCount))
-			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.CandidateID.String(), "process", process)
+			s.log.InfoContext(ctx, "expired work of a dead session", "machine_id", res.CandidateID.String(), "process", process,
+				"dead_session_id", res.ExpiredSessions, "expired", res.ExpiredCount)
 		}
 		if !res.ClaimedID.Valid {
 			m.workConflicts.WithLabelValues(string(process)).Inc()
@@ -154,9 +156,9 @@ func (w *Work) settle(ctx context.Context, err error, event Event, result string
 		case err != nil:
 		case ended == event:
 			resolved = true
-		case ended == EventFinished || ended == EventFailed || ended == EventCanceled:
+		case ended == EventFinished || ended == EventFailed || ended == EventCanceled || ended == EventHeld:
 			err = fmt.Errorf("%w: an earlier attempt to end %s on machine %s committed as %s", ErrWorkEnded, w.Process, w.MachineID, ended)
-			result = map[Event]string{EventFinished: resultFinished, EventFailed: resultFailed, EventCanceled: resultCanceled}[ended]
+			result = map[Event]string{EventFinished: resultFinished, EventFailed: resultFailed, EventCanceled: resultCanceled, EventHeld: resultHeld}[ended]
 		default:
 			err = ErrSessionExpired
 		}
@@ -340,7 +342,23 @@ func recordFailure(ctx context.Context, q *model.Queries, machine uuid.UUID, p P
 // already cancelled (typically during shutdown), using a fresh context with a
 // timeout instead.
 func (w *Work) Cancel(ctx context.Context) error {
-	return w.release(ctx, EventCanceled, "canceled", resultCanceled, "canceling")
+	return w.CancelWithCause(ctx, "canceled")
+}
+
+// CancelWithCause is Cancel with a cause on the Canceled history row: why
+// the work was given back unjudged ("the recoverer is stopping"). Like
+// Fail's, the cause is stored as valid UTF-8 without NUL bytes.
+func (w *Work) CancelWithCause(ctx context.Context, cause string) error {
+	return w.release(ctx, EventCanceled, safetext.Clean(cause), resultCanceled, "canceling")
+}
+
+// Hold ends the work as held back by a safety limit, without acting on the
+// machine and without judging it: it releases the lock and writes history
+// Held with cause (which limit, and its figures: "held by the circuit
+// breaker: ..."); the backoff is untouched. Like Cancel, it works even when
+// ctx is already cancelled.
+func (w *Work) Hold(ctx context.Context, cause string) error {
+	return w.release(ctx, EventHeld, safetext.Clean(cause), resultHeld, "holding back")
 }
 
 // FailWithoutBackoff ends the work as failed without backing the machine

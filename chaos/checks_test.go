@@ -108,7 +108,7 @@ func (s *soak) checkHeld(ctx context.Context, pool *pgxpool.Pool) []string {
 		)
 		SELECT p.provider_id, e.process, e.next_event, e.next_at - e.at
 		FROM ends e JOIN machine_provided p USING (machine_id)
-		WHERE e.event = 'Started' AND e.next_event IN ('Finished', 'Failed', 'Canceled')
+		WHERE e.event = 'Started' AND e.next_event IN ('Finished', 'Failed', 'Canceled', 'Held')
 		  AND e.next_session = e.session_id AND e.next_at - e.at > interval '1 millisecond' * $1`, bound.Milliseconds())
 	if err != nil {
 		return append(out, err.Error())

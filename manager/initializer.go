@@ -183,9 +183,9 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	sc.Close()
 	if err != nil {
 		if ectx.Err() != nil {
-			return nil, fmt.Errorf("uploading the agent: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
+			return nil, fmt.Errorf("uploading the agent to %s on %s: exec timeout (%s) exceeded", bin, target.Addr, in.cfg.ExecTimeout)
 		}
-		return nil, fmt.Errorf("uploading the agent: %w", err)
+		return nil, fmt.Errorf("uploading the agent to %s on %s: %w", bin, target.Addr, err)
 	}
 	init := &agentv1.TakeoverInit{
 		MachineId:      t.Machine.MachineID.String(),
@@ -200,13 +200,13 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	out, err := sshx.Run(ectx, client, strings.Join(args, " "), stdin, 1<<20)
 	if err != nil {
 		if ectx.Err() != nil {
-			return nil, fmt.Errorf("running the agent: exec timeout (%s) exceeded", in.cfg.ExecTimeout)
+			return nil, fmt.Errorf("running the agent's takeover on %s: exec timeout (%s) exceeded", target.Addr, in.cfg.ExecTimeout)
 		}
-		return nil, fmt.Errorf("running the agent: %w", err)
+		return nil, fmt.Errorf("running the agent's takeover on %s: %w", target.Addr, err)
 	}
 	key, err := checkTakeover(out.Stdout, init)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("takeover on %s: %w", target.Addr, err)
 	}
 	t.Log.InfoContext(ctx, "agent started", "agent_key", bmdb.AgentKeyText(key))
 	return func(ctx context.Context, tx *bmdb.Tx) error {

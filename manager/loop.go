@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/ratelog"
 )
 
 // Task is one claimed machine handed to a loop's process function.
@@ -38,6 +39,12 @@ type Task struct {
 // breaker, a shutdown): the work is canceled, not failed, and no backoff
 // applies.
 var ErrRetryLater = errors.New("retry later")
+
+// ErrHeld, wrapped by an error a loop's Do returns, means a safety limit
+// held the machine back (the recoverer's circuit breaker): the work ends
+// with history Held, not Canceled, with the error's text as the cause
+// (which limit, and its figures), and no backoff applies.
+var ErrHeld = errors.New("held back by a safety limit")
 
 // FinishFunc is the change a successful process makes to the machine's
 // tags; it runs in the transaction that ends the work.
@@ -118,12 +125,15 @@ func (c LoopConfig) Validate(what string) error {
 // Runner runs one loop: Parallelism workers sharing one session, which is
 // replaced whenever it is lost.
 type Runner struct {
-	cfg     LoopConfig
-	loop    Loop
-	db      *bmdb.DB
-	log     *slog.Logger
-	metrics *loopMetrics
-	name    string
+	cfg  LoopConfig
+	loop Loop
+	db   *bmdb.DB
+	log  *slog.Logger
+	// failures bounds the lines about failures every worker meets at once
+	// (a database outage): one per kind per interval, with a count.
+	failures *ratelog.Logger
+	metrics  *loopMetrics
+	name     string
 }
 
 // NewRunner validates cfg and returns a runner for loop. component names the
@@ -152,13 +162,15 @@ func NewRunner(component string, cfg LoopConfig, loop Loop, db *bmdb.DB, reg pro
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Runner{cfg: cfg, loop: loop, db: db, log: log.With("component", component), metrics: m, name: component}, nil
+	log = log.With("component", component)
+	return &Runner{cfg: cfg, loop: loop, db: db, log: log, failures: ratelog.New(log, 0), metrics: m, name: component}, nil
 }
 
 // Run runs the workers until ctx ends, then cancels their work, closes the
 // session and returns nil.
 func (r *Runner) Run(ctx context.Context) error {
 	limiter := r.cfg.QueryLimit.limiter(DefaultLimit())
+	defer r.failures.Flush()
 	return r.db.KeepSession(ctx, bmdb.SessionConfig{Component: r.name, Lease: r.cfg.Lease}, func(ctx context.Context, s *bmdb.Session) error {
 		g, gctx := errgroup.WithContext(ctx)
 		for i := range r.cfg.Parallelism {
@@ -204,7 +216,7 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 			return
 		case err != nil:
 			r.metrics.claims.WithLabelValues("error").Inc()
-			log.ErrorContext(ctx, "claiming work", "process", r.loop.Process, "err", err)
+			r.failures.Error(ctx, "claiming work", "process", r.loop.Process, "worker", id, "err", err)
 			sleep(ctx, jitter(r.cfg.IdleSleep))
 			continue
 		}
@@ -236,10 +248,22 @@ func (r *Runner) process(ctx context.Context, s *bmdb.Session, w *bmdb.Work, log
 	timedOut := errors.Is(dctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
 	cancel()
 	switch {
-	case ctx.Err() != nil, errors.Is(err, ErrRetryLater):
-		// Stopping, the session is gone, or the loop holds back: say so,
-		// without judging the machine.
-		r.end(ctx, s, w, log, ending{kind: endCancel})
+	case ctx.Err() != nil:
+		// Stopping, or the session is gone: say so, without judging the
+		// machine.
+		cause := fmt.Errorf("the %s is stopping", r.name)
+		if s.Lost() {
+			cause = fmt.Errorf("the %s lost its session", r.name)
+		}
+		if err != nil {
+			cause = fmt.Errorf("%w (%w)", cause, err)
+		}
+		r.end(ctx, s, w, log, ending{kind: endCancel, cause: cause})
+	case errors.Is(err, ErrHeld):
+		r.end(ctx, s, w, log, ending{kind: endHold, cause: err})
+	case errors.Is(err, ErrRetryLater):
+		// The loop holds back for a reason that is not the machine's.
+		r.end(ctx, s, w, log, ending{kind: endCancel, cause: err})
 	case err == nil:
 		r.end(ctx, s, w, log, ending{kind: endFinish, finish: finish, note: t.Note})
 	case timedOut:
@@ -256,19 +280,20 @@ const (
 	endFinish endKind = iota
 	endFail
 	endCancel
+	endHold
 )
 
 func (k endKind) String() string {
-	return [...]string{"finish", "fail", "cancel"}[k]
+	return [...]string{"finish", "fail", "cancel", "hold"}[k]
 }
 
-// ending is how a work item is to end: with finish's tag change, or failed
-// with cause, or canceled.
+// ending is how a work item is to end: with finish's tag change, or failed,
+// canceled or held with cause.
 type ending struct {
 	kind   endKind
 	finish FinishFunc
 	note   string // recorded with a finish
-	cause  error
+	cause  error  // why it failed, was canceled or held; nil for a plain cancel
 
 	refusals int // attempts to Fail the database refused
 }
@@ -379,12 +404,23 @@ func (r *Runner) endOnce(ctx context.Context, w *bmdb.Work, log *slog.Logger, e 
 			return err
 		}
 		log.ErrorContext(ctx, "recording a failure was refused, canceling the work instead", "err", e.cause, "record_err", err)
-		e.kind = endCancel
+		e.kind, e.cause = endCancel, fmt.Errorf("recording the failure was refused (%v): %w", err, e.cause)
 		fallthrough
-	default:
-		err := w.Cancel(ctx)
+	case endCancel:
+		cause := "canceled"
+		if e.cause != nil {
+			cause = e.cause.Error()
+		}
+		err := w.CancelWithCause(ctx, cause)
 		if err == nil {
 			r.metrics.claims.WithLabelValues("canceled").Inc()
+		}
+		return err
+	default:
+		err := w.Hold(ctx, e.cause.Error())
+		if err == nil {
+			r.metrics.claims.WithLabelValues("held_back").Inc()
+			log.InfoContext(ctx, "held back", "cause", e.cause)
 		}
 		return err
 	}

@@ -103,8 +103,8 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := events(t, db, slow)
-	if last := h[len(h)-1]; last.Event != bmdb.EventCanceled {
-		t.Errorf("slow machine's last event %s, want Canceled", last.Event)
+	if last := h[len(h)-1]; last.Event != bmdb.EventCanceled || last.Cause != "the test-loop is stopping (context canceled)" {
+		t.Errorf("slow machine's last event %s %q, want Canceled saying the loop is stopping", last.Event, last.Cause)
 	}
 	if _, err := db.GetBackoff(t.Context(), slow, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("stopping backed the slow machine off: %v", err)
@@ -121,6 +121,9 @@ func TestRunnerEndsEveryWork(t *testing.T) {
 	for _, e := range events(t, db, later) {
 		if e.Process == bmdb.ProcessAgentStart {
 			laterEvents = append(laterEvents, e.Event)
+			if e.Event == bmdb.EventCanceled && e.Cause != "breaker open: retry later" {
+				t.Errorf("the retry later's Canceled cause %q, want the error Do returned", e.Cause)
+			}
 		}
 	}
 	if want := []bmdb.Event{bmdb.EventStarted, bmdb.EventCanceled, bmdb.EventStarted, bmdb.EventFinished}; !slices.Equal(laterEvents, want) {

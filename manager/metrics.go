@@ -18,7 +18,7 @@ func newLoopMetrics(reg prometheus.Registerer, process string) (*loopMetrics, er
 	m := &loopMetrics{
 		claims: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name:        "shepherd_loop_claims_total",
-			Help:        "Claims a control loop made, by result (claimed, nothing_to_do, conflict, error; held: not tried, the loop's admission, the recoverer's circuit breaker, said no) and, for claimed work, how it ended (finished, failed, canceled, lost).",
+			Help:        "Claims a control loop made, by result (claimed, nothing_to_do, conflict, error; held: not tried, the loop's admission, the recoverer's circuit breaker, said no) and, for claimed work, how it ended (finished, failed, canceled, held_back: given back by a safety limit, lost).",
 			ConstLabels: prometheus.Labels{"process": process},
 		}, []string{"result"}),
 		processing: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -38,7 +38,7 @@ func newLoopMetrics(reg prometheus.Registerer, process string) (*loopMetrics, er
 			return nil, err
 		}
 	}
-	for _, r := range []string{"claimed", "nothing_to_do", "conflict", "error", "held", "finished", "failed", "canceled", "lost"} {
+	for _, r := range []string{"claimed", "nothing_to_do", "conflict", "error", "held", "finished", "failed", "canceled", "held_back", "lost"} {
 		m.claims.WithLabelValues(r)
 	}
 	return m, nil

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/ratelog"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/ladder"
 	"github.com/shepherd/shepherd/power"
@@ -282,17 +283,22 @@ func (rc *Recoverer) recover(ctx context.Context, t *Task) (FinishFunc, error) {
 		case bmdb.RebootBudgetExhausted:
 			// Other workers (or processes) took the last restarts of the
 			// window between our check and our claim: give the machine
-			// back unjudged.
+			// back unjudged, held by the breaker.
 			rc.breaker.refused(ctx)
-			return nil, errBreakerOpen
+			return nil, fmt.Errorf("held by the circuit breaker: %d restarts of %s's machines admitted in the last %s, "+
+				"the budget of the window is %d; the %s rung waits for the window to move on: %w",
+				a.InWindow, rc.p.Name(), rc.cfg.Window, budget, a.Rung, ErrHeld)
 		case bmdb.RebootNotSilent:
 			t.Log.InfoContext(ctx, "not recovering: the machine is no longer silent")
-			return nil, fmt.Errorf("the machine is no longer silent: %w", ErrRetryLater)
+			return nil, fmt.Errorf("not recovering: the machine is no longer silent (its agent heartbeat since the claim, "+
+				"or the provider reports it missing or stopped): %w", ErrRetryLater)
 		case bmdb.RebootAlreadyIssued:
 			// A worker took a rung for this agent incarnation and could
 			// not record it (it lost its session, or crashed): one rung
 			// per silence.
 			t.Log.WarnContext(ctx, "not recovering: a rung was taken for this agent already; handing it to the initializer")
+			t.Note = "no rung taken: one was taken for this agent already by a worker that could not record its end; " +
+				"handed to the initializer"
 			return clearAgent, nil
 		case bmdb.RebootStreakQuarantined:
 			return nil, errors.New(a.Cause)
@@ -507,8 +513,6 @@ func (rc *Recoverer) powerCycle(ctx context.Context, t *Task) error {
 	return nil
 }
 
-var errBreakerOpen = fmt.Errorf("circuit breaker: reboot budget of the window used up: %w", ErrRetryLater)
-
 // breaker is the fleet-wide circuit breaker of SPEC §3.4. Its state comes
 // from the BMDB (reboots in the window, silent and started machines), so
 // every recoverer process sees the same picture.
@@ -517,6 +521,9 @@ type breaker struct {
 	// read computes the breaker from the BMDB: ReadBreaker with rc's
 	// provider and configuration.
 	read func(context.Context) (BreakerState, error)
+	// failures bounds the lines of failed reads (every worker reads
+	// before every claim): one per interval, with a count.
+	failures *ratelog.Logger
 
 	mu        sync.Mutex
 	checkedAt time.Time
@@ -539,6 +546,7 @@ func newBreaker(rc *Recoverer, reg prometheus.Registerer) (*breaker, error) {
 		read: func(ctx context.Context) (BreakerState, error) {
 			return ReadBreaker(ctx, rc.db, rc.p.Name(), rc.cfg)
 		},
+		failures: ratelog.New(rc.log, 0),
 		pausedGauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name:        "shepherd_recovery_breaker_paused",
 			Help:        "1 while the recoverer's circuit breaker holds reboots back, by reason (silent_fraction, reboot_budget).",
@@ -578,7 +586,7 @@ func (b *breaker) budget(ctx context.Context) (int64, error) {
 // allow reports whether the recoverer may claim now.
 func (b *breaker) allow(ctx context.Context) bool {
 	if err := b.refresh(ctx, false); err != nil {
-		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+		b.failures.Warn(ctx, "checking the circuit breaker", "err", err)
 		return false
 	}
 	b.mu.Lock()
@@ -590,7 +598,7 @@ func (b *breaker) allow(ctx context.Context) bool {
 // the other workers stop claiming at once.
 func (b *breaker) refused(ctx context.Context) {
 	if err := b.refresh(ctx, true); err != nil {
-		b.rc.log.WarnContext(ctx, "checking the circuit breaker", "err", err)
+		b.failures.Warn(ctx, "checking the circuit breaker", "err", err)
 	}
 }
 

@@ -176,13 +176,15 @@ func lastEvent(t *testing.T, db *bmdbtest.DB, id uuid.UUID) bmdb.Event {
 
 // TestRunnerClaimErrors: a claim that fails because the database cannot be
 // reached is counted and logged, and the workers carry on once it is back.
+// The failures of every worker make one line per interval
+// (internal/ratelog), not one each (issue 13 item 8).
 func TestRunnerClaimErrors(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
 	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
 	loop := testLoop()
 	logs := logtest.New()
-	r, err := manager.NewRunner("claim-errors", manager.LoopConfig{Parallelism: 1, IdleSleep: 20 * time.Millisecond, Lease: 30 * time.Second},
+	r, err := manager.NewRunner("claim-errors", manager.LoopConfig{Parallelism: 4, IdleSleep: 20 * time.Millisecond, Lease: 30 * time.Second},
 		loop, db.DB, reg, logs.Logger())
 	if err != nil {
 		t.Fatal(err)
@@ -198,10 +200,15 @@ func TestRunnerClaimErrors(t *testing.T) {
 		t.Fatalf("claim errors logged while the database answered: %+v", got)
 	}
 	proxy.SetMode(tcpproxy.Reset)
-	bmdbtest.WaitFor(t, 60*time.Second, "a failed claim counted and logged", func(context.Context) (bool, error) {
-		return claims("error") >= 1 && len(logs.With("claiming work")) >= 1, nil
+	outage := time.Now()
+	bmdbtest.WaitFor(t, 60*time.Second, "failed claims counted and logged", func(context.Context) (bool, error) {
+		return claims("error") >= 12 && len(logs.With("claiming work")) >= 1, nil
 	})
 	proxy.SetMode(tcpproxy.Pass)
+	// One line at once, then at most one per 10 s interval.
+	if n, most := len(logs.With("claiming work")), 1+int(time.Since(outage)/(10*time.Second)); n > most {
+		t.Errorf("%d lines about %v failed claims in %s, want at most %d", n, claims("error"), time.Since(outage).Round(time.Millisecond), most)
+	}
 	after := claims("nothing_to_do")
 	bmdbtest.WaitFor(t, 60*time.Second, "claims again once the database is back", func(context.Context) (bool, error) {
 		return claims("nothing_to_do") > after, nil

@@ -33,6 +33,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/devpki"
+	"github.com/shepherd/shepherd/internal/ratelog"
 )
 
 // Config configures the callback server. Zero values mean defaults.
@@ -140,8 +141,11 @@ type Server struct {
 	batch   *batcher
 	// verified are the keys whose heartbeats are served first.
 	verified *verifiedKeys
-	// throttle bounds the log lines about rejected requests.
-	throttle *logThrottle
+	// throttle bounds the log lines about rejected requests and failures:
+	// one line per key every 10 s, then one with the count held back
+	// (internal/ratelog): a client sending bad requests as fast as it can,
+	// or a database outage failing every heartbeat, cannot flood the log.
+	throttle *ratelog.Logger
 	// recorder tells recovery when this server could not record
 	// heartbeats, so that silence it caused does not count.
 	recorder *bmdb.HeartbeatRecorder
@@ -185,7 +189,7 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, db: db, log: log.With("component", "server"), metrics: m, verified: newVerifiedKeys()}
-	s.throttle = newLogThrottle(s.log, 10*time.Second)
+	s.throttle = ratelog.New(s.log, 10*time.Second)
 	if err := s.loadTLS(); err != nil {
 		return nil, err
 	}
@@ -250,6 +254,7 @@ func (s *Server) Listen() (net.Addr, error) {
 // Run serves until ctx ends, then stops accepting connections, lets
 // in-flight heartbeats finish (at most 10 s) and returns nil.
 func (s *Server) Run(ctx context.Context) error {
+	defer s.throttle.Flush()
 	addr, err := s.Listen()
 	if err != nil {
 		return err

@@ -305,7 +305,7 @@ func TestInstallationRequests(t *testing.T) {
 	}
 	var gen int64
 	err = e.s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
-		gen, err = tx.RequestInstallation(ctx, id, raw)
+		gen, err = tx.RequestInstallation(ctx, id, "test", raw)
 		return err
 	})
 	if err != nil {

@@ -301,7 +301,7 @@ func (s *Server) act(a action) http.Handler {
 				return
 			}
 			var gen int64
-			gen, err = s.db.RequestInstallation(ctx, id, raw)
+			gen, err = s.db.RequestInstallation(ctx, id, operatorName, raw)
 			log = log.With("image_url", d.ImageURL)
 			done = fmt.Sprintf("installation generation %d requested", gen)
 		default:

@@ -449,8 +449,12 @@ func TestActions(t *testing.T) {
 		t.Fatalf("install: POST = %s:\n%s", resp.Status, body)
 	}
 	in, err := f.db.GetInstallation(t.Context(), f.healthy[1])
-	if err != nil || in.RequestGeneration != 1 {
-		t.Fatalf("after install: %+v, %v; want generation 1", in, err)
+	if err != nil || in.RequestGeneration != 1 || in.RequestedBy != "operator (web UI)" {
+		t.Fatalf("after install: %+v, %v; want generation 1 requested by operator (web UI)", in, err)
+	}
+	// The page names the requester the BMDB recorded, as `machine show` does.
+	if page := s.get(t, "/machines/"+h); !strings.Contains(page, "by operator (web UI)") {
+		t.Errorf("the machine page does not name who requested the installation")
 	}
 	var req agentv1.OSInstallationRequest
 	if err := proto.Unmarshal(in.Request, &req); err != nil || req.GetImageUrl() != "https://images.example/os.img" || !req.GetRebootAfter() ||

@@ -47,7 +47,8 @@ func (q *Queries) AgentStartMatches(ctx context.Context, arg AgentStartMatchesPa
 const claimAgentStartCandidate = `-- name: ClaimAgentStartCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -95,11 +96,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -113,16 +115,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimAgentStartCandidateParams struct {
@@ -137,6 +141,7 @@ type ClaimAgentStartCandidateRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -155,12 +160,15 @@ type ClaimAgentStartCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentStartCandidateParams) (ClaimAgentStartCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimAgentStartCandidate,
 		arg.Provider,
@@ -174,6 +182,7 @@ func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentSt
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -189,7 +198,8 @@ func (q *Queries) ClaimAgentStartCandidate(ctx context.Context, arg ClaimAgentSt
 const claimAgentStartCandidatePlain = `-- name: ClaimAgentStartCandidatePlain :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -235,11 +245,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -253,16 +264,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimAgentStartCandidatePlainParams struct {
@@ -276,6 +289,7 @@ type ClaimAgentStartCandidatePlainRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -301,6 +315,7 @@ func (q *Queries) ClaimAgentStartCandidatePlain(ctx context.Context, arg ClaimAg
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -316,7 +331,8 @@ func (q *Queries) ClaimAgentStartCandidatePlain(ctx context.Context, arg ClaimAg
 const claimDecommissionCandidate = `-- name: ClaimDecommissionCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -366,11 +382,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -384,16 +401,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimDecommissionCandidateParams struct {
@@ -408,6 +427,7 @@ type ClaimDecommissionCandidateRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -426,12 +446,15 @@ type ClaimDecommissionCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimDecommissionCandidate(ctx context.Context, arg ClaimDecommissionCandidateParams) (ClaimDecommissionCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimDecommissionCandidate,
 		arg.Provider,
@@ -445,6 +468,7 @@ func (q *Queries) ClaimDecommissionCandidate(ctx context.Context, arg ClaimDecom
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -460,7 +484,8 @@ func (q *Queries) ClaimDecommissionCandidate(ctx context.Context, arg ClaimDecom
 const claimDecommissionCandidatePlain = `-- name: ClaimDecommissionCandidatePlain :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -508,11 +533,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -526,16 +552,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimDecommissionCandidatePlainParams struct {
@@ -549,6 +577,7 @@ type ClaimDecommissionCandidatePlainRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -574,6 +603,7 @@ func (q *Queries) ClaimDecommissionCandidatePlain(ctx context.Context, arg Claim
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -589,32 +619,44 @@ func (q *Queries) ClaimDecommissionCandidatePlain(ctx context.Context, arg Claim
 const claimRecoveryCandidate = `-- name: ClaimRecoveryCandidate :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * $1::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * $2::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $3
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $1::bigint
+          AND p.provider = $3
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $3
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -625,8 +667,8 @@ WITH candidate AS (
                               AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $1::bigint)))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -665,11 +707,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -683,22 +726,24 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimRecoveryCandidateParams struct {
-	Provider                string
-	FirstHeartbeatTimeoutMs int64
 	HeartbeatTimeoutMs      int64
+	FirstHeartbeatTimeoutMs int64
+	Provider                string
 	Process                 string
 	Exclusive               bool
 	ScanLimit               int32
@@ -709,6 +754,7 @@ type ClaimRecoveryCandidateRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -727,17 +773,20 @@ type ClaimRecoveryCandidateRow struct {
 // machine someone claimed (and maybe finished) since the snapshot was taken
 // is skipped, not handed out again. It moves the revision, expires work of
 // dead sessions on the machine (history Expired, naming the dead session),
-// inserts the work row and writes history Started. The primary key and
+// inserts the work row and writes history Started, whose cause is what
+// the definition's cause expression made of the locked machine (why it is
+// a candidate; empty without one). The primary key and
 // work_machine_exclusive keep the work unique even if all that was not
 // enough, and the foreign key to processes checks the exclusive flag the
 // caller passes. It returns the machine's Provided tag as the claim saw
-// it, which saves the worker a round trip. No row means nothing to do or a
-// dead session; a row without claimed_id means the insert lost a race.
+// it, which saves the worker a round trip, and the expired count and dead
+// sessions. No row means nothing to do or a dead session; a row without
+// claimed_id means the insert lost a race.
 func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryCandidateParams) (ClaimRecoveryCandidateRow, error) {
 	row := q.db.QueryRow(ctx, claimRecoveryCandidate,
-		arg.Provider,
-		arg.FirstHeartbeatTimeoutMs,
 		arg.HeartbeatTimeoutMs,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.Provider,
 		arg.Process,
 		arg.Exclusive,
 		arg.ScanLimit,
@@ -748,6 +797,7 @@ func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryC
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -763,32 +813,44 @@ func (q *Queries) ClaimRecoveryCandidate(ctx context.Context, arg ClaimRecoveryC
 const claimRecoveryCandidatePlain = `-- name: ClaimRecoveryCandidatePlain :one
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * $1::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * $2::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $3
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
           AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
-        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+        WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $1::bigint
+          AND p.provider = $3
           AND p.provider_status NOT IN ('Missing', 'Stopped')
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $3
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -799,8 +861,8 @@ WITH candidate AS (
                               AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
                OR (p.agent_phase = 'Heartbeating'
                 AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $3::bigint)))
-          AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
+                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * $1::bigint)))
+          AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -837,11 +899,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $4 OR (w.machine_exclusive AND $5::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -855,22 +918,24 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type ClaimRecoveryCandidatePlainParams struct {
-	Provider                string
-	FirstHeartbeatTimeoutMs int64
 	HeartbeatTimeoutMs      int64
+	FirstHeartbeatTimeoutMs int64
+	Provider                string
 	Process                 string
 	Exclusive               bool
 	SessionID               uuid.UUID
@@ -880,6 +945,7 @@ type ClaimRecoveryCandidatePlainRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Provider              string
 	ProviderID            string
 	ProviderReservationID string
@@ -895,9 +961,9 @@ type ClaimRecoveryCandidatePlainRow struct {
 // FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimRecoveryCandidatePlainParams) (ClaimRecoveryCandidatePlainRow, error) {
 	row := q.db.QueryRow(ctx, claimRecoveryCandidatePlain,
-		arg.Provider,
-		arg.FirstHeartbeatTimeoutMs,
 		arg.HeartbeatTimeoutMs,
+		arg.FirstHeartbeatTimeoutMs,
+		arg.Provider,
 		arg.Process,
 		arg.Exclusive,
 		arg.SessionID,
@@ -907,6 +973,7 @@ func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimReco
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Provider,
 		&i.ProviderID,
 		&i.ProviderReservationID,
@@ -1543,11 +1610,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = $1 OR (w.machine_exclusive AND $2::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -1565,12 +1633,14 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions, t.holder,
        t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
        t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
 FROM target t
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x
 `
 
 type WorkHoldParams struct {
@@ -1585,6 +1655,7 @@ type WorkHoldRow struct {
 	CandidateID           uuid.UUID
 	ClaimedID             uuid.NullUUID
 	ExpiredCount          int64
+	ExpiredSessions       string
 	Holder                string
 	Provider              string
 	ProviderID            string
@@ -1621,6 +1692,7 @@ func (q *Queries) WorkHold(ctx context.Context, arg WorkHoldParams) (WorkHoldRow
 		&i.CandidateID,
 		&i.ClaimedID,
 		&i.ExpiredCount,
+		&i.ExpiredSessions,
 		&i.Holder,
 		&i.Provider,
 		&i.ProviderID,

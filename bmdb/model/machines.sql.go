@@ -202,6 +202,7 @@ SELECT m.machine_id, m.created_at, m.decommissioned_at,
        h.agent_heartbeat_at,
        hw.hardware_report_raw, hw.reported_at AS hardware_reported_at,
        q.generation AS request_generation, q.os_installation_request_raw AS request_raw, q.requested_at,
+       q.requested_by AS installation_requested_by,
        r.generation AS report_generation, r.success AS report_success, r.error_message AS report_error,
        r.os_installation_report_raw AS report_raw, r.reported_at AS installation_reported_at,
        k.host_key, COALESCE(k.pinned, false)::boolean AS host_key_pinned, k.recorded_at AS host_key_recorded_at,
@@ -255,6 +256,7 @@ type MachineGetRow struct {
 	RequestGeneration       *int64
 	RequestRaw              []byte
 	RequestedAt             *time.Time
+	InstallationRequestedBy *string
 	ReportGeneration        *int64
 	ReportSuccess           *bool
 	ReportError             *string
@@ -300,6 +302,7 @@ func (q *Queries) MachineGet(ctx context.Context, arg MachineGetParams) (Machine
 		&i.RequestGeneration,
 		&i.RequestRaw,
 		&i.RequestedAt,
+		&i.InstallationRequestedBy,
 		&i.ReportGeneration,
 		&i.ReportSuccess,
 		&i.ReportError,

@@ -80,6 +80,8 @@ type MachineOsInstallationRequest struct {
 	Generation               int64
 	OsInstallationRequestRaw []byte
 	RequestedAt              time.Time
+	RequestedBy              string
+	DeliveredGeneration      *int64
 }
 
 type MachinePowerState struct {

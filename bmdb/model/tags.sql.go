@@ -150,24 +150,26 @@ func (q *Queries) InstallationReportSet(ctx context.Context, arg InstallationRep
 }
 
 const installationRequestSet = `-- name: InstallationRequestSet :one
-INSERT INTO machine_os_installation_request (machine_id, generation, os_installation_request_raw)
-VALUES ($1, 1, $2)
+INSERT INTO machine_os_installation_request (machine_id, generation, os_installation_request_raw, requested_by)
+VALUES ($1, 1, $2, $3)
 ON CONFLICT (machine_id) DO UPDATE
 SET generation = machine_os_installation_request.generation + 1,
     os_installation_request_raw = EXCLUDED.os_installation_request_raw,
+    requested_by = EXCLUDED.requested_by,
     requested_at = now()
 RETURNING generation
 `
 
 type InstallationRequestSetParams struct {
-	MachineID  uuid.UUID
-	RequestRaw []byte
+	MachineID   uuid.UUID
+	RequestRaw  []byte
+	RequestedBy string
 }
 
 // InstallationRequestSet stores a new installation request with the next
-// generation for the machine.
+// generation for the machine, and who asked for it.
 func (q *Queries) InstallationRequestSet(ctx context.Context, arg InstallationRequestSetParams) (int64, error) {
-	row := q.db.QueryRow(ctx, installationRequestSet, arg.MachineID, arg.RequestRaw)
+	row := q.db.QueryRow(ctx, installationRequestSet, arg.MachineID, arg.RequestRaw, arg.RequestedBy)
 	var generation int64
 	err := row.Scan(&generation)
 	return generation, err

@@ -394,7 +394,7 @@ type WorkReleaseParams struct {
 }
 
 // WorkRelease releases a work item held by a live session and writes one
-// history row (Failed or Canceled) with the cause. The backoff is not touched.
+// history row (Failed, Canceled or Held) with the cause. The backoff is not touched.
 func (q *Queries) WorkRelease(ctx context.Context, arg WorkReleaseParams) (int64, error) {
 	row := q.db.QueryRow(ctx, workRelease,
 		arg.Event,

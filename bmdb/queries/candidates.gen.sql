@@ -99,15 +99,19 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -155,11 +159,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -173,16 +178,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimAgentStartCandidatePlain :one
 -- ClaimAgentStartCandidatePlain is the baseline the benchmark compares
@@ -190,7 +197,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -236,11 +244,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -254,16 +263,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ListDecommissionCandidates :many
 -- Decommission: provided machines an operator asked to decommission, oldest
@@ -357,15 +368,19 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -415,11 +430,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -433,16 +449,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimDecommissionCandidatePlain :one
 -- ClaimDecommissionCandidatePlain is the baseline the benchmark compares
@@ -450,7 +468,8 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           ''::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -498,11 +517,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -516,16 +536,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ListRecoveryCandidates :many
 -- Recovery: started machines whose agent is silent, longest silent first:
@@ -749,15 +771,30 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -833,11 +870,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -851,16 +889,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: ClaimRecoveryCandidatePlain :one
 -- ClaimRecoveryCandidatePlain is the baseline the benchmark compares
@@ -868,7 +908,19 @@ CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           (
+           COALESCE(
+               (SELECT 'silent: last heartbeat ' || utc_text(h.agent_heartbeat_at) || ', '
+                       || duration_text(now() - h.agent_heartbeat_at) || ' ago (heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id),
+               (SELECT 'silent: no first heartbeat since the agent was started ' || utc_text(s.agent_started_at) || ', '
+                       || duration_text(now() - s.agent_started_at) || ' ago (first heartbeat timeout '
+                       || duration_text(interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint) || ')'
+                FROM machine_agent_started s WHERE s.machine_id = p.machine_id),
+               'silent')
+           )::text AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -942,11 +994,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -960,16 +1013,18 @@ claimed AS (
 ),
 started AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, ''
+    SELECT cl.machine_id, cl.process, 'Started', cl.session_id, (SELECT c.started_cause FROM candidate c)
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;
 
 -- name: WorkHold :one
 -- WorkHold claims one named machine for a machine-exclusive process under
@@ -1021,11 +1076,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -1043,9 +1099,11 @@ started AS (
     FROM claimed cl
     RETURNING machine_id
 )
-SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions, t.holder,
        t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
        t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
 FROM target t
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history) x;

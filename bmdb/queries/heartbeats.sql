@@ -12,7 +12,12 @@
 -- leaving a heartbeat without its AgentStarted; the caller retries it alone.
 -- A successful report of the current installation generation forgets the
 -- machine's SSH host key recorded on first use: the new system has new host
--- keys (SPEC §3.3); a pinned key stays. It returns, per accepted ordinal
+-- keys (SPEC §3.3); a pinned key stays. A report that differs from the
+-- one stored (another generation, or another outcome) writes history
+-- Installed or InstallFailed (process Reinstall, the agent's error as the
+-- cause), and a pending request handed to the agent for the first time
+-- writes history Installing, so that the course of every installation
+-- survives later requests. It returns, per accepted ordinal
 -- (a machine has one current key, so at most one pair per machine), what
 -- was recorded and the machine's pending installation request: the current
 -- request if no report of its generation exists (or arrives now).
@@ -52,6 +57,13 @@ hw AS (
         disk_bytes = EXCLUDED.disk_bytes
     RETURNING machine_id
 ),
+prev AS (
+    -- The reports as they were before this statement (every part of it
+    -- reads the same snapshot).
+    SELECT r.machine_id, r.generation, r.success
+    FROM machine_os_installation_report r
+    JOIN authed a ON a.machine_id = r.machine_id
+),
 ins AS (
     INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
     SELECT a.machine_id, i.generation, i.success, i.error_message, i.raw, now()
@@ -68,7 +80,41 @@ ins AS (
         error_message = EXCLUDED.error_message,
         os_installation_report_raw = EXCLUDED.os_installation_report_raw,
         reported_at = EXCLUDED.reported_at
-    RETURNING machine_id, generation, success
+    RETURNING machine_id, generation, success, error_message
+),
+ins_history AS (
+    INSERT INTO work_history (machine_id, process, event, cause)
+    SELECT ins.machine_id, 'Reinstall', CASE WHEN ins.success THEN 'Installed' ELSE 'InstallFailed' END,
+           'OS installation generation ' || ins.generation::text
+               || CASE WHEN ins.success THEN ' installed, the agent reports'
+                       ELSE ' failed, the agent reports: ' || ins.error_message END
+    FROM ins
+    LEFT JOIN prev ON prev.machine_id = ins.machine_id
+    WHERE prev.machine_id IS NULL OR prev.generation <> ins.generation OR prev.success <> ins.success
+    ORDER BY ins.machine_id
+),
+delivered AS (
+    -- Pending requests (as the result below computes them) handed to the
+    -- agent for the first time.
+    UPDATE machine_os_installation_request q
+    SET delivered_generation = q.generation
+    FROM authed a
+    WHERE q.machine_id = a.machine_id
+      AND q.delivered_generation IS DISTINCT FROM q.generation
+      AND NOT EXISTS (SELECT 1 FROM ins WHERE ins.machine_id = q.machine_id AND ins.generation = q.generation)
+      AND NOT EXISTS (
+          SELECT 1 FROM machine_os_installation_report ir
+          WHERE ir.machine_id = q.machine_id AND ir.generation = q.generation)
+    RETURNING q.machine_id, q.generation, q.requested_by
+),
+delivered_history AS (
+    INSERT INTO work_history (machine_id, process, event, cause)
+    SELECT d.machine_id, 'Reinstall', 'Installing',
+           'OS installation generation ' || d.generation::text
+               || CASE WHEN d.requested_by <> '' THEN ' (requested by ' || d.requested_by || ')' ELSE '' END
+               || ' handed to the agent with its heartbeat'
+    FROM delivered d
+    ORDER BY d.machine_id
 ),
 forgotten_host_key AS (
     DELETE FROM machine_ssh_host_key k
@@ -106,6 +152,7 @@ JOIN decommissioned_machines d ON d.machine_id = r.machine_id AND d.agent_public
 -- InstallationGet returns the installation request and report of a machine.
 SELECT m.machine_id,
        q.generation AS request_generation, q.os_installation_request_raw AS request_raw, q.requested_at,
+       q.requested_by,
        r.generation AS report_generation, r.success AS report_success, r.error_message AS report_error,
        r.os_installation_report_raw AS report_raw, r.reported_at
 FROM machines m

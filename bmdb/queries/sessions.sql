@@ -33,7 +33,7 @@ WITH closed AS (
     UPDATE sessions s
     SET closed_at = now()
     WHERE s.session_id = @session_id AND s.closed_at IS NULL
-    RETURNING (s.deadline > now())::boolean AS alive
+    RETURNING (s.deadline > now())::boolean AS alive, s.component, s.hostname, s.pid
 ),
 canceled AS (
     DELETE FROM work w
@@ -42,8 +42,12 @@ canceled AS (
 ),
 canceled_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT ca.machine_id, ca.process, 'Canceled', ca.session_id, 'session closed'
+    SELECT ca.machine_id, ca.process, 'Canceled', ca.session_id,
+           'session closed before the work ended (' || cl.component
+               || CASE WHEN cl.hostname <> '' THEN ' on ' || cl.hostname || ', pid ' || cl.pid::text ELSE '' END
+               || ' is stopping or restarting its session); the machine is free for the next claim'
     FROM canceled ca
+    CROSS JOIN closed cl
     RETURNING history_id
 )
 SELECT
@@ -72,10 +76,11 @@ WITH expired AS (
     USING sessions s
     WHERE s.session_id = w.session_id
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 )
 INSERT INTO work_history (machine_id, process, event, session_id, cause)
-SELECT machine_id, process, 'Expired', session_id, 'session ' || session_id::text || ' expired'
+SELECT machine_id, process, 'Expired', session_id, cause
 FROM expired
 RETURNING machine_id, process, session_id;
 

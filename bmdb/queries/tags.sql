@@ -44,12 +44,13 @@ SELECT agent_heartbeat_at FROM machine_agent_heartbeat WHERE machine_id = @machi
 
 -- name: InstallationRequestSet :one
 -- InstallationRequestSet stores a new installation request with the next
--- generation for the machine.
-INSERT INTO machine_os_installation_request (machine_id, generation, os_installation_request_raw)
-VALUES (@machine_id, 1, @request_raw)
+-- generation for the machine, and who asked for it.
+INSERT INTO machine_os_installation_request (machine_id, generation, os_installation_request_raw, requested_by)
+VALUES (@machine_id, 1, @request_raw, @requested_by)
 ON CONFLICT (machine_id) DO UPDATE
 SET generation = machine_os_installation_request.generation + 1,
     os_installation_request_raw = EXCLUDED.os_installation_request_raw,
+    requested_by = EXCLUDED.requested_by,
     requested_at = now()
 RETURNING generation;
 

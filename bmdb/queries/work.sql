@@ -25,7 +25,7 @@ RETURNING history_id;
 
 -- name: WorkRelease :one
 -- WorkRelease releases a work item held by a live session and writes one
--- history row (Failed or Canceled) with the cause. The backoff is not touched.
+-- history row (Failed, Canceled or Held) with the cause. The backoff is not touched.
 WITH released AS (
     DELETE FROM work w
     USING sessions s

@@ -62,7 +62,7 @@ func newDevCommand() *cobra.Command {
 			"with --machines hardware reservations; simulated machines stand in for the devices.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := logs.logger()
+			log, err := logs.logger(cmd.ErrOrStderr())
 			if err != nil {
 				return err
 			}

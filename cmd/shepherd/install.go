@@ -51,7 +51,7 @@ func newInstallCommand() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("--machine: %w", err)
 			}
-			gen, err := d.RequestInstallation(cmd.Context(), id, raw)
+			gen, err := d.RequestInstallation(cmd.Context(), id, operator(), raw)
 			switch {
 			case errors.Is(err, bmdb.ErrDecommissioned):
 				if _, derr := d.GetDecommissioned(cmd.Context(), id); derr == nil {
@@ -108,8 +108,9 @@ func newInstallCommand() *cobra.Command {
 			if err := proto.Unmarshal(in.Request, &r); err != nil {
 				return fmt.Errorf("stored request of machine %s is corrupt: %w", id, err)
 			}
-			fmt.Fprintf(out, "machine %s: generation %d requested at %s: %s (sha256 %s) to %s, reboot %v\n",
-				id, in.RequestGeneration, in.RequestedAt.UTC().Format("2006-01-02T15:04:05Z"), r.GetImageUrl(), r.GetImageSha256(), r.GetTargetDevice(), r.GetRebootAfter())
+			fmt.Fprintf(out, "machine %s: generation %d requested at %s by %s: %s (sha256 %s) to %s, reboot %v\n",
+				id, in.RequestGeneration, in.RequestedAt.UTC().Format("2006-01-02T15:04:05Z"), orDash(in.RequestedBy),
+				r.GetImageUrl(), r.GetImageSha256(), r.GetTargetDevice(), r.GetRebootAfter())
 			switch {
 			case in.Report == nil:
 				fmt.Fprintln(out, "state: pending (no report yet)")

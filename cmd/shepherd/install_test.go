@@ -83,11 +83,12 @@ func TestInstallRequest(t *testing.T) {
 	if err := proto.Unmarshal(in.Request, &req); err != nil {
 		t.Fatal(err)
 	}
-	if in.RequestGeneration != 2 || req.GetImageSha256() != strings.ToLower(sha) || !req.GetRebootAfter() || req.GetTargetDevice() != "/dev/sda" {
-		t.Errorf("stored request generation %d: %v", in.RequestGeneration, &req)
+	if in.RequestGeneration != 2 || req.GetImageSha256() != strings.ToLower(sha) || !req.GetRebootAfter() || req.GetTargetDevice() != "/dev/sda" ||
+		in.RequestedBy != operator() {
+		t.Errorf("stored request generation %d by %q: %v", in.RequestGeneration, in.RequestedBy, &req)
 	}
 	out, err := run(t, "install", "status", "--database-url", db.URL, "--machine", m.String())
-	if err != nil || !strings.Contains(out, "generation 2") || !strings.Contains(out, "pending") {
+	if err != nil || !strings.Contains(out, "generation 2") || !strings.Contains(out, "pending") || !strings.Contains(out, " by "+operator()+":") {
 		t.Errorf("status: %v\n%s", err, out)
 	}
 

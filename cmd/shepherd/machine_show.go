@@ -82,6 +82,7 @@ type powerJSON struct {
 type installationJSON struct {
 	RequestGeneration int64           `json:"request_generation"`
 	RequestedAt       *time.Time      `json:"requested_at"`
+	RequestedBy       string          `json:"requested_by"`
 	Request           json.RawMessage `json:"request"`
 	ReportGeneration  *int64          `json:"report_generation"`
 	ReportSuccess     *bool           `json:"report_success"`
@@ -187,7 +188,7 @@ func detailJSON(d bmdb.MachineDetail, t bmdb.SilenceTimeouts) machineDetailJSON 
 		ij := &installationJSON{RequestGeneration: in.RequestGeneration, Installed: in.Installed()}
 		if in.RequestGeneration > 0 {
 			at := in.RequestedAt
-			ij.RequestedAt = &at
+			ij.RequestedAt, ij.RequestedBy = &at, in.RequestedBy
 			if req, err := protoJSON(in.Request, &agentv1.OSInstallationRequest{}); err == nil {
 				ij.Request = req
 			}
@@ -365,7 +366,7 @@ func writeDetail(out io.Writer, d bmdb.MachineDetail, t bmdb.SilenceTimeouts) er
 				desc = fmt.Sprintf("%s (sha256 %s) to %s, reboot %v", req.GetImageUrl(), req.GetImageSha256(), req.GetTargetDevice(), req.GetRebootAfter())
 			}
 			requestedAt := in.RequestedAt
-			line("  Requested", "generation %d at %s: %s", in.RequestGeneration, timeText(&requestedAt), desc)
+			line("  Requested", "generation %d at %s by %s: %s", in.RequestGeneration, timeText(&requestedAt), orDash(in.RequestedBy), desc)
 		}
 		reportedAt := in.ReportedAt
 		switch {

@@ -282,7 +282,7 @@ func TestMachineShowAndHistory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.RequestInstallation(t.Context(), m, req); err != nil {
+	if _, err := db.RequestInstallation(t.Context(), m, "test", req); err != nil {
 		t.Fatal(err)
 	}
 
@@ -291,7 +291,7 @@ func TestMachineShowAndHistory(t *testing.T) {
 		t.Fatalf("machine show: %v\n%s", err, out)
 	}
 	for _, want := range []string{m.String(), "Quarantined", "AMD EPYC 9654: 2 sockets, 192 cores, 384 threads", "768.0 GiB", "EFI",
-		"nvme0n1", "mlx5_core", "QUARANTINED", "ssh: connection refused", "https://img.example/os.img", "Heartbeating"} {
+		"nvme0n1", "mlx5_core", "QUARANTINED", "ssh: connection refused", "https://img.example/os.img", "Heartbeating", " by test: "} {
 		if !strings.Contains(out, want) {
 			t.Errorf("machine show lacks %q:\n%s", want, out)
 		}
@@ -312,7 +312,8 @@ func TestMachineShowAndHistory(t *testing.T) {
 			} `json:"cpu"`
 		} `json:"hardware_report"`
 		Installation struct {
-			RequestGeneration int64 `json:"request_generation"`
+			RequestGeneration int64  `json:"request_generation"`
+			RequestedBy       string `json:"requested_by"`
 			Request           struct {
 				ImageURL string `json:"imageUrl"`
 			} `json:"request"`
@@ -330,7 +331,7 @@ func TestMachineShowAndHistory(t *testing.T) {
 		t.Fatalf("machine show -o json is not JSON: %v\n%s", err, out)
 	}
 	if d.MachineID != m || d.State != "Quarantined" || d.AgentPublicKey == "" || d.HardwareReport.CPU.Model != "AMD EPYC 9654" ||
-		d.HardwareReport.CPU.Threads != 384 || d.Installation.RequestGeneration != 1 || d.Installation.Installed ||
+		d.HardwareReport.CPU.Threads != 384 || d.Installation.RequestGeneration != 1 || d.Installation.RequestedBy != "test" || d.Installation.Installed ||
 		d.Installation.Request.ImageURL != "https://img.example/os.img" || len(d.Backoffs) != 1 || !d.Backoffs[0].Quarantined ||
 		d.Backoffs[0].Process != "AgentStart" || d.Work == nil || len(d.Work) != 0 || d.DecommissionRequest != nil {
 		t.Errorf("machine show -o json: %+v\n%s", d, out)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -32,9 +33,11 @@ func (f *logFlags) bind(fl *pflag.FlagSet) {
 	fl.StringVar(&f.level, "log-level", "info", "log level: debug, info, warn or error")
 }
 
-func (f *logFlags) logger() (*slog.Logger, error) { return newLogger(f.format, f.level) }
+// logger returns the logger the flags ask for, writing to w (the command's
+// stderr).
+func (f *logFlags) logger(w io.Writer) (*slog.Logger, error) { return newLogger(w, f.format, f.level) }
 
-func newLogger(format, level string) (*slog.Logger, error) {
+func newLogger(w io.Writer, format, level string) (*slog.Logger, error) {
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
 		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
@@ -42,9 +45,9 @@ func newLogger(format, level string) (*slog.Logger, error) {
 	opts := &slog.HandlerOptions{Level: lv}
 	switch format {
 	case "text":
-		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+		return slog.New(slog.NewTextHandler(w, opts)), nil
 	case "json":
-		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
 	}
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
@@ -154,7 +157,7 @@ func newRunCommand() *cobra.Command {
 			if cfg.Components, err = parseComponents(components); err != nil {
 				return err
 			}
-			log, err := logs.logger()
+			log, err := logs.logger(cmd.ErrOrStderr())
 			if err != nil {
 				return err
 			}

@@ -235,7 +235,8 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 	var srv *server.Server
 	if has(compServer) {
 		c := cfg.Server
-		c.Registerer, c.Logger = s.reg, s.log.With("component", compServer)
+		// The server names itself (component=server) on its lines.
+		c.Registerer, c.Logger = s.reg, s.log
 		var err error
 		if srv, err = server.New(c, s.db); err != nil {
 			return err
@@ -281,7 +282,8 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 	// once the provider exists; it is not used before.
 	hostKeys := &manager.HostKeys{DB: s.db}
 	env := provider.Env{
-		Logger:     s.log.With("provider", cfg.Provider),
+		// Every provider names itself (provider=NAME) on its lines.
+		Logger:     s.log,
 		Registerer: s.reg,
 		HostKeys:   hostKeys,
 		SSHSigner:  signer,

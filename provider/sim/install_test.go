@@ -53,7 +53,7 @@ func (e *env) requestInstall(t *testing.T, machine uuid.UUID, req *agentv1.OSIns
 	if err != nil {
 		t.Fatal(err)
 	}
-	gen, err := e.db.RequestInstallation(t.Context(), machine, raw)
+	gen, err := e.db.RequestInstallation(t.Context(), machine, "tester", raw)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -236,7 +236,7 @@ func TestInstallation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gen, err := e.db.RequestInstallation(t.Context(), machine, req)
+	gen, err := e.db.RequestInstallation(t.Context(), machine, "test", req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,11 @@
 // an operator's power action) is written here too, because it takes the
 // claims' own steps once its machine is locked.
 //
+// A definition may come with a file <name>.cause next to it: an SQL
+// expression over the claimed machine's machine_provided row p, evaluated
+// by the claim in the statement that claims, whose text becomes the cause of
+// the Started history row (what the claim saw: why the machine is worked on).
+//
 // Usage: go run ./bmdb/internal/gencandidates -in bmdb/candidates -out bmdb/queries/candidates.gen.sql
 package main
 
@@ -37,6 +42,11 @@ type definition struct {
 	Matching string
 	// Exclusions are the shared exclusions this definition is wrapped in.
 	Exclusions string
+	// StartedCause is the SQL of the cause the claim writes on the
+	// Started history row, over the locked machine_provided row p: from
+	// bmdb/candidates/<name>.cause if there is one (the recoverer's names
+	// the silence it recovers), else ''.
+	StartedCause string
 }
 
 // decommissionDirective, on a line of its own in a definition's leading
@@ -157,15 +167,19 @@ SELECT EXISTS (
 -- machine someone claimed (and maybe finished) since the snapshot was taken
 -- is skipped, not handed out again. It moves the revision, expires work of
 -- dead sessions on the machine (history Expired, naming the dead session),
--- inserts the work row and writes history Started. The primary key and
+-- inserts the work row and writes history Started, whose cause is what
+-- the definition's cause expression made of the locked machine (why it is
+-- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
 -- enough, and the foreign key to processes checks the exclusive flag the
 -- caller passes. It returns the machine's Provided tag as the claim saw
--- it, which saves the worker a round trip. No row means nothing to do or a
--- dead session; a row without claimed_id means the insert lost a race.
+-- it, which saves the worker a round trip, and the expired count and dead
+-- sessions. No row means nothing to do or a dead session; a row without
+-- claimed_id means the insert lost a race.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           {{.StartedCause}} AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -189,7 +203,8 @@ WITH candidate AS (
 -- FOR UPDATE, so that concurrent workers pick the same machine and queue on it.
 WITH candidate AS (
     SELECT p.machine_id, p.provider, p.provider_id, p.provider_reservation_id, p.provider_ip_address,
-           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase
+           p.provider_location, p.provider_status, p.provider_status_at, p.agent_phase,
+           {{.StartedCause}} AS started_cause
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
@@ -235,12 +250,12 @@ candidate AS (
     SELECT t.machine_id FROM target t WHERE t.holder = ''
 ),
 {{.HoldSteps}}
-SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, t.holder,
+SELECT t.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions, t.holder,
        t.provider, t.provider_id, t.provider_reservation_id, t.provider_ip_address,
        t.provider_location, t.provider_status, t.provider_status_at, t.agent_phase
 FROM target t
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (` + expiredCounts + `) x;
 `))
 
 // claimSteps is the part of every claim query (and of the hold) after the
@@ -262,11 +277,12 @@ expired AS (
       AND s.session_id = w.session_id
       AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
       AND NOT (s.deadline > now() AND s.closed_at IS NULL)
-    RETURNING w.machine_id, w.process, w.session_id
+    RETURNING w.machine_id, w.process, w.session_id,
+              dead_session_cause(s.session_id, s.component, s.hostname, s.pid, s.deadline, s.closed_at) AS cause
 ),
 expired_history AS (
     INSERT INTO work_history (machine_id, process, event, session_id, cause)
-    SELECT e.machine_id, e.process, 'Expired', e.session_id, 'session ' || e.session_id::text || ' expired'
+    SELECT e.machine_id, e.process, 'Expired', e.session_id, e.cause
     FROM expired e
     RETURNING history_id
 ),
@@ -290,13 +306,20 @@ const startedCause = "{{started_cause}}"
 
 // claimResult is the end of every candidate claim query: the candidate, and
 // the machine claimed if the insert won.
-const claimResult = `SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count,
+const claimResult = `SELECT c.machine_id AS candidate_id, st.machine_id AS claimed_id, x.expired_count, x.expired_sessions,
        c.provider, c.provider_id, c.provider_reservation_id, c.provider_ip_address,
        c.provider_location, c.provider_status, c.provider_status_at, c.agent_phase
 FROM candidate c
 LEFT JOIN started st ON true
-CROSS JOIN (SELECT count(*) AS expired_count FROM expired_history) x;
+CROSS JOIN (` + expiredCounts + `) x;
 `
+
+// expiredCounts is the claims' report of the dead work they expired: how
+// many items, and the dead sessions that held them (comma-separated ids,
+// empty if none), so that the log names them.
+const expiredCounts = `SELECT count(*) AS expired_count,
+           COALESCE((SELECT string_agg(DISTINCT e.session_id::text, ', ') FROM expired e), '')::text AS expired_sessions
+    FROM expired_history`
 
 func main() {
 	in := flag.String("in", "bmdb/candidates", "directory of candidate definitions")
@@ -333,7 +356,7 @@ func run(in, out string) error {
 		Conflict    string
 		HoldSteps   string
 		LiveSession string
-	}{defs, steps("''") + "\n" + claimResult, liveConflictingWork, steps("@cause::text"), liveSession})
+	}{defs, steps("(SELECT c.started_cause FROM candidate c)") + "\n" + claimResult, liveConflictingWork, steps("@cause::text"), liveSession})
 	if err != nil {
 		return err
 	}
@@ -381,6 +404,18 @@ func parse(path string) (definition, error) {
 		return definition{}, fmt.Errorf("%s: expected a SELECT after the comment", path)
 	}
 	base := strings.TrimSuffix(filepath.Base(path), ".sql")
+	cause := "''::text"
+	if raw, err := os.ReadFile(strings.TrimSuffix(path, ".sql") + ".cause"); err == nil {
+		var lines []string
+		for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
+			if !strings.HasPrefix(strings.TrimSpace(line), "--") {
+				lines = append(lines, "           "+line)
+			}
+		}
+		cause = "(\n" + strings.Join(lines, "\n") + "\n           )::text"
+	} else if !os.IsNotExist(err) {
+		return definition{}, err
+	}
 	var name strings.Builder
 	for _, part := range strings.Split(base, "_") {
 		if part == "" {
@@ -389,5 +424,5 @@ func parse(path string) (definition, error) {
 		name.WriteString(strings.ToUpper(part[:1]) + part[1:])
 	}
 	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"),
-		Matching: strings.Join(matching, "\n"), Exclusions: excl}, nil
+		Matching: strings.Join(matching, "\n"), Exclusions: excl, StartedCause: cause}, nil
 }
