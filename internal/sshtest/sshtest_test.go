@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -894,5 +895,46 @@ func TestOnFreePortRetriesTakenPorts(t *testing.T) {
 	fixed := netip.AddrPortFrom(loopback, 2222)
 	if _, err := onFreePort(fixed, taken(1)); !errors.Is(err, errAddrInUse) || len(tried) != 1 || tried[0] != fixed {
 		t.Errorf("a fixed port taken: %v after %v; want errAddrInUse after one try of %v", err, tried, fixed)
+	}
+}
+
+// TestRunJustUploadedWhileOthersRun uploads executables over SFTP and runs
+// each at once, as the initializer does with the agent, while other sessions
+// keep starting commands. Under Gliderlabs both happen in the test process:
+// a command forked while an upload's file was open for writing holds a copy
+// of that descriptor until it execs, and running the upload meanwhile fails
+// with "Text file busy" (ETXTBSY), which no real sshd would cause.
+func TestRunJustUploadedWhileOthersRun(t *testing.T) {
+	t.Parallel()
+	exe, err := os.ReadFile("/bin/true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := NewKey(t)
+	h := Start(t, 1, Config{Kind: Gliderlabs, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+	c := mustDial(t, h, key)
+	sc := newSFTP(t, c)
+	ctx, stop := context.WithCancel(t.Context())
+	var others sync.WaitGroup
+	defer others.Wait()
+	defer stop()
+	for range 4 {
+		others.Go(func() {
+			for ctx.Err() == nil {
+				sess, err := c.NewSession()
+				if err != nil {
+					return
+				}
+				_ = sess.Run("true")
+				sess.Close()
+			}
+		})
+	}
+	for i := range 300 {
+		path := filepath.Join(h.Dir, fmt.Sprintf("exe-%d", i))
+		upload(t, sc, path, exe, 0o755)
+		if _, errOut, status := run(t, c, shellQuote(path), ""); status != 0 {
+			t.Fatalf("run %d of a just-uploaded executable exited with status %d: %q", i, status, errOut)
+		}
 	}
 }
