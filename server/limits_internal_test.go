@@ -16,7 +16,7 @@ func TestLimitListenerForgetsAddresses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := newLimitListener(ln, 100, 2, func(string) {})
+	l := newLimitListener(ln, 100, 2, func(string) {}, func(error) {})
 	defer l.Close()
 	var conns []net.Conn
 	for _, ip := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3"} {
