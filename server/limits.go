@@ -1,37 +1,80 @@
 package server
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
+	"time"
 )
 
 // limitListener refuses connections beyond a total and a per-IP limit by
 // closing them at once, before TLS: a client that opens connections without
 // end (or a misconfigured one) cannot exhaust the process's file
 // descriptors, which the honest agents and the database connections need.
+//
+// When the process runs out of descriptors all the same (the limits are
+// set above the open-file limit, or something else holds descriptors), an
+// accept fails with EMFILE or ENFILE. The listener then reports the
+// failure to outOfFDs and tries again after a pause that grows from
+// minAcceptPause to maxAcceptPause, without returning the error: the
+// connections already open keep being served by their own goroutines, the
+// connections waiting in the kernel's backlog are accepted once
+// descriptors are free, and the gRPC server never sees the failure (it
+// would retry as well, but uncounted).
 type limitListener struct {
 	net.Listener
 	maxTotal, maxPerIP int
 	refused            func(reason string)
+	outOfFDs           func(err error)
 
 	mu    sync.Mutex
 	total int
 	perIP map[netip.Addr]int
+
+	closeOnce sync.Once
+	closed    chan struct{} // closed by Close: a pause ends at once
 }
 
-func newLimitListener(ln net.Listener, maxTotal, maxPerIP int, refused func(string)) *limitListener {
-	return &limitListener{Listener: ln, maxTotal: maxTotal, maxPerIP: maxPerIP, refused: refused, perIP: map[netip.Addr]int{}}
+// The pause after an accept that failed for lack of descriptors starts at
+// minAcceptPause and doubles up to maxAcceptPause; an accepted connection
+// resets it. The first retries come soon, since a descriptor is often
+// freed within milliseconds; a longer shortage costs one accept a second.
+const (
+	minAcceptPause = 5 * time.Millisecond
+	maxAcceptPause = time.Second
+)
+
+func newLimitListener(ln net.Listener, maxTotal, maxPerIP int, refused func(string), outOfFDs func(error)) *limitListener {
+	return &limitListener{Listener: ln, maxTotal: maxTotal, maxPerIP: maxPerIP, refused: refused, outOfFDs: outOfFDs,
+		perIP: map[netip.Addr]int{}, closed: make(chan struct{})}
 }
 
-// Accept returns the next connection within the limits.
+// Accept returns the next connection within the limits. It waits out a
+// shortage of file descriptors (see limitListener) and returns any other
+// error of the listener.
 func (l *limitListener) Accept() (net.Conn, error) {
+	var pause time.Duration
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
-			return nil, err
+			if !outOfDescriptors(err) {
+				return nil, err
+			}
+			l.outOfFDs(err)
+			pause = min(max(2*pause, minAcceptPause), maxAcceptPause)
+			t := time.NewTimer(pause)
+			select {
+			case <-t.C:
+			case <-l.closed:
+				// The listener's own Accept now says it is closed.
+				t.Stop()
+			}
+			continue
 		}
+		pause = 0
 		ip := remoteIP(c)
 		if reason := l.take(ip); reason != "" {
 			l.refused(reason)
@@ -56,6 +99,18 @@ func (l *limitListener) take(ip netip.Addr) string {
 	l.total++
 	l.perIP[ip]++
 	return ""
+}
+
+// Close closes the listener and ends a pause in Accept.
+func (l *limitListener) Close() error {
+	l.closeOnce.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+// outOfDescriptors reports whether err is an accept's failure for lack of
+// file descriptors, of the process (EMFILE) or of the system (ENFILE).
+func outOfDescriptors(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
 }
 
 func (l *limitListener) release(ip netip.Addr) {

@@ -14,6 +14,9 @@ type metrics struct {
 	latency   prometheus.Histogram
 	// connsRefused counts connections closed at once for being over a limit.
 	connsRefused *prometheus.CounterVec
+	// acceptErrors counts accepts that failed and were retried, by reason
+	// (descriptors: the process or the system ran out of file descriptors).
+	acceptErrors *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -40,8 +43,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "shepherd_server_connections_refused_total",
 			Help: "Client connections closed at once because a limit was reached, by limit (total, per_ip).",
 		}, []string{"limit"}),
+		acceptErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shepherd_server_accept_errors_total",
+			Help: "Accepts of client connections that failed and were retried after a pause, by reason (descriptors: out of file descriptors).",
+		}, []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.accepted, m.rejected, m.batchSize, m.latency, m.connsRefused} {
+	for _, c := range []prometheus.Collector{m.accepted, m.rejected, m.batchSize, m.latency, m.connsRefused, m.acceptErrors} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("server: registering metrics: %w", err)
 		}
@@ -52,5 +59,6 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, l := range []string{"total", "per_ip"} {
 		m.connsRefused.WithLabelValues(l)
 	}
+	m.acceptErrors.WithLabelValues("descriptors")
 	return m, nil
 }

@@ -246,6 +246,12 @@ func (s *Server) Listen() (net.Addr, error) {
 		s.listener = newLimitListener(ln, s.cfg.MaxConnections, s.cfg.MaxConnectionsPerIP, func(reason string) {
 			s.metrics.connsRefused.WithLabelValues(reason).Inc()
 			s.throttle.Log(context.Background(), slog.LevelWarn, "connections_"+reason, "refusing a connection over the limit", "limit", reason)
+		}, func(err error) {
+			// One line per 10 s however often the accept is retried:
+			// the counter has every failure.
+			s.metrics.acceptErrors.WithLabelValues("descriptors").Inc()
+			s.throttle.Log(context.Background(), slog.LevelError, "accept_descriptors",
+				"out of file descriptors: serving the open connections, accepting new ones once descriptors are free", "err", err)
 		})
 	}
 	return s.listener.Addr(), nil

@@ -66,6 +66,7 @@ func newDevCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			raiseFileLimit(cmd.Context(), log)
 			if machines < 1 {
 				return fmt.Errorf("--machines must be at least 1, got %d", machines)
 			}

@@ -161,6 +161,7 @@ func newRunCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			raiseFileLimit(cmd.Context(), log)
 			if provConfig != "" {
 				if cfg.ProviderConfig, err = os.ReadFile(provConfig); err != nil {
 					return fmt.Errorf("--provider-config: %w", err)
