@@ -201,7 +201,7 @@ func (r *Runner) worker(ctx context.Context, s *bmdb.Session, id int, limiter in
 		if err == nil && ctx.Err() != nil {
 			// Stopping while the claim committed: end what was claimed
 			// rather than leave it to the session's close.
-			r.end(ctx, s, w, log, ending{kind: endCancel})
+			r.end(ctx, s, w, log, ending{kind: endCancel, cause: fmt.Errorf("the %s is stopping (the claim committed as it stopped)", r.name)})
 			return
 		}
 		switch {

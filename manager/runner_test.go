@@ -3,7 +3,9 @@ package manager_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -215,5 +217,75 @@ func TestRunnerClaimErrors(t *testing.T) {
 	})
 	if l := logs.With("claiming work")[0]; l.Level != slog.LevelError || l.Attr("process") != "AgentStart" || l.Attr("err") == "" {
 		t.Errorf("claim error line %+v, want an error naming the process and the error", l)
+	}
+}
+
+// TestRunnerEndsAClaimThatCommitsAsItStops stops a runner while its claim is
+// past its snapshot but not committed (a trigger on the work insert waits
+// for a lock the test holds). The claim must run to its answer rather than
+// be abandoned (an abandoned claim may commit after the session's close),
+// and the worker must then cancel what it claimed, saying the loop is
+// stopping: the machine is left free, with no live work and no backoff.
+func TestRunnerEndsAClaimThatCommitsAsItStops(t *testing.T) {
+	t.Parallel()
+	const key = 4545
+	db := bmdbtest.New(t)
+	setup := bmdbtest.Session(t, db, "setup", time.Minute)
+	id := bmdbtest.AddMachine(t, db, setup, "lab")
+	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_advisory_lock(%d); PERFORM pg_advisory_unlock(%d); RETURN NEW; END $$`, key, key))
+	db.Exec(t, "CREATE TRIGGER hold_claim BEFORE INSERT ON work FOR EACH ROW EXECUTE FUNCTION hold_claim()")
+	lock, err := db.Pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Release()
+	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	var done atomic.Int64
+	loop := testLoop()
+	loop.Do = func(_ context.Context, task *manager.Task) (manager.FinishFunc, error) {
+		done.Add(1)
+		return startAgentOf(task), nil
+	}
+	r, err := manager.NewRunner("stopping-loop", manager.LoopConfig{Parallelism: 1, IdleSleep: 20 * time.Millisecond}, loop, db.DB, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	ran := make(chan error, 1)
+	go func() { ran <- r.Run(ctx) }()
+	bmdbtest.WaitFor(t, 60*time.Second, "the claim waits for the test's lock", func(ctx context.Context) (bool, error) {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
+		return waiting, err
+	})
+	cancel()
+	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-ran; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if n := done.Load(); n != 0 {
+		t.Errorf("Do ran %d times for a claim made as the loop stopped, want 0", n)
+	}
+	h := events(t, db, id)
+	var got []string
+	for _, e := range h {
+		if e.Process == bmdb.ProcessAgentStart {
+			got = append(got, string(e.Event)+": "+e.Cause)
+		}
+	}
+	want := []string{"Started: ", "Canceled: the stopping-loop is stopping (the claim committed as it stopped)"}
+	if !slices.Equal(got, want) {
+		t.Errorf("history of the machine claimed as the loop stopped:\n got %q\nwant %q", got, want)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM work"); n != 0 {
+		t.Errorf("%d work rows after the runner stopped, want 0", n)
+	}
+	if _, err := db.GetBackoff(t.Context(), id, bmdb.ProcessAgentStart); !errors.Is(err, bmdb.ErrNotFound) {
+		t.Errorf("stopping backed the machine off: %v", err)
 	}
 }
