@@ -151,32 +151,14 @@ func TestWorkOnSessionTheDatabaseExpired(t *testing.T) {
 func loseCommitReply(t *testing.T, db *bmdbtest.DB, proxy *tcpproxy.Proxy, event bmdb.Event,
 	end func(ctx context.Context) error, committed func(ctx context.Context) (bool, error)) error {
 	t.Helper()
-	const key = 4242
-	db.Exec(t, fmt.Sprintf(`CREATE OR REPLACE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN PERFORM pg_advisory_lock(%d); PERFORM pg_advisory_unlock(%d); RETURN NULL; END $$`, key, key))
-	db.Exec(t, fmt.Sprintf(`CREATE CONSTRAINT TRIGGER hold_commit AFTER INSERT ON work_history DEFERRABLE INITIALLY DEFERRED
-		FOR EACH ROW WHEN (NEW.event = '%s') EXECUTE FUNCTION hold_commit()`, event))
-	defer db.Exec(t, "DROP TRIGGER hold_commit ON work_history")
-	lock, err := db.Pool.Acquire(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate := bmdbtest.HoldInserts(t, db, "work_history", bmdbtest.AtCommit, fmt.Sprintf("NEW.event = '%s'", event))
+	defer gate.Remove(t)
 	result := make(chan error, 1)
 	go func() { result <- end(t.Context()) }()
-	bmdbtest.WaitFor(t, 30*time.Second, "the COMMIT waits for the test's lock", func(ctx context.Context) (bool, error) {
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
-		return waiting, err
-	})
+	gate.WaitHeld(t)
 	dropped := proxy.DroppedReplies()
 	proxy.SetMode(tcpproxy.DropReplies)
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate.Open(t)
 	// Committed is not enough: the proxy must have read and dropped the
 	// reply, or passing traffic again would deliver it (see DroppedReplies).
 	bmdbtest.WaitFor(t, 30*time.Second, "the end commits and its reply is dropped", func(ctx context.Context) (bool, error) {
@@ -262,21 +244,10 @@ func TestEndAfterLostCommit(t *testing.T) {
 // that no longer exists.
 func TestCloseMeetsAClaimInFlight(t *testing.T) {
 	t.Parallel()
-	const key = 4343
 	db := bmdbtest.New(t)
 	s := bmdbtest.Session(t, db, "claimer", time.Minute)
 	id := bmdbtest.AddMachine(t, db, s, "p")
-	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN PERFORM pg_advisory_lock(%d); PERFORM pg_advisory_unlock(%d); RETURN NEW; END $$`, key, key))
-	db.Exec(t, "CREATE TRIGGER hold_claim BEFORE INSERT ON work FOR EACH ROW EXECUTE FUNCTION hold_claim()")
-	lock, err := db.Pool.Acquire(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate := bmdbtest.HoldInserts(t, db, "work", bmdbtest.BeforeInsert, "")
 	type claim struct {
 		w   *bmdb.Work
 		err error
@@ -286,11 +257,7 @@ func TestCloseMeetsAClaimInFlight(t *testing.T) {
 		w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
 		claimed <- claim{w, err}
 	}()
-	bmdbtest.WaitFor(t, 30*time.Second, "the claim waits for the test's lock", func(ctx context.Context) (bool, error) {
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
-		return waiting, err
-	})
+	gate.WaitHeld(t)
 	closed := make(chan error, 1)
 	go func() { closed <- s.Close(t.Context()) }()
 	// Let the claim go once Close has either returned or is itself waiting
@@ -300,13 +267,9 @@ func TestCloseMeetsAClaimInFlight(t *testing.T) {
 		if len(closed) > 0 {
 			return true, nil
 		}
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype <> 'advisory' AND NOT granted)").Scan(&waiting)
-		return waiting, err
+		return bmdbtest.LockWaiters(ctx, db)
 	})
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate.Open(t)
 	c := <-claimed
 	if err := <-closed; err != nil {
 		t.Fatalf("Close: %v", err)

@@ -3,7 +3,6 @@ package manager_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"slices"
 	"strings"
@@ -228,21 +227,10 @@ func TestRunnerClaimErrors(t *testing.T) {
 // stopping: the machine is left free, with no live work and no backoff.
 func TestRunnerEndsAClaimThatCommitsAsItStops(t *testing.T) {
 	t.Parallel()
-	const key = 4545
 	db := bmdbtest.New(t)
 	setup := bmdbtest.Session(t, db, "setup", time.Minute)
 	id := bmdbtest.AddMachine(t, db, setup, "lab")
-	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN PERFORM pg_advisory_lock(%d); PERFORM pg_advisory_unlock(%d); RETURN NEW; END $$`, key, key))
-	db.Exec(t, "CREATE TRIGGER hold_claim BEFORE INSERT ON work FOR EACH ROW EXECUTE FUNCTION hold_claim()")
-	lock, err := db.Pool.Acquire(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate := bmdbtest.HoldInserts(t, db, "work", bmdbtest.BeforeInsert, "")
 	var done atomic.Int64
 	loop := testLoop()
 	loop.Do = func(_ context.Context, task *manager.Task) (manager.FinishFunc, error) {
@@ -256,15 +244,9 @@ func TestRunnerEndsAClaimThatCommitsAsItStops(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	ran := make(chan error, 1)
 	go func() { ran <- r.Run(ctx) }()
-	bmdbtest.WaitFor(t, 60*time.Second, "the claim waits for the test's lock", func(ctx context.Context) (bool, error) {
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)").Scan(&waiting)
-		return waiting, err
-	})
+	gate.WaitHeld(t)
 	cancel()
-	if _, err := lock.Exec(t.Context(), "SELECT pg_advisory_unlock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	gate.Open(t)
 	if err := <-ran; err != nil {
 		t.Fatalf("Run: %v", err)
 	}
