@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -90,6 +91,26 @@ func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, er
 		return id, nil
 	}
 	return uuid.Nil, fmt.Errorf("no machine has the id or provider id %q (a machine id is a UUID; a provider id is as machine list shows it, or provider/id)", arg)
+}
+
+// findMachine reads the machine arg names (resolveMachine), its state
+// judged by the heartbeat timeouts the recoverers recorded in the BMDB (the
+// defaults if none did), as the recoverer judges it; it returns those
+// timeouts too. A machine that does not exist is an error saying so.
+func findMachine(ctx context.Context, db *bmdb.DB, arg string) (bmdb.MachineDetail, bmdb.SilenceTimeouts, error) {
+	id, err := resolveMachine(ctx, db, arg)
+	if err != nil {
+		return bmdb.MachineDetail{}, bmdb.SilenceTimeouts{}, err
+	}
+	timeouts, err := db.SilenceTimeouts(ctx)
+	if err != nil {
+		return bmdb.MachineDetail{}, bmdb.SilenceTimeouts{}, err
+	}
+	d, err := db.GetMachineWithTimeouts(ctx, id, timeouts.FirstHeartbeat, timeouts.Heartbeat)
+	if errors.Is(err, bmdb.ErrNotFound) {
+		return d, timeouts, fmt.Errorf("machine %s does not exist", id)
+	}
+	return d, timeouts, err
 }
 
 // parseState parses --state: a derived state as machine list shows it.
