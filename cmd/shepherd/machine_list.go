@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -71,13 +70,9 @@ func (c *machineCLI) listCommand() *cobra.Command {
 				return fmt.Errorf("--sort %q is not an order: use %s or %s", sortBy, sortMachineID, sortProviderID)
 			}
 			if state != "" {
-				f.State = bmdb.MachineState(state)
-				if f.State.Validate() != nil {
-					names := make([]string, 0, len(bmdb.MachineStates()))
-					for _, s := range bmdb.MachineStates() {
-						names = append(names, string(s))
-					}
-					return fmt.Errorf("--state %q is not a machine state: use one of %s", state, strings.Join(names, ", "))
+				var err error
+				if f.State, err = parseState(state); err != nil {
+					return err
 				}
 			}
 			db, err := c.open(cmd.Context())
