@@ -66,8 +66,9 @@ func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, er
 		if err != nil {
 			return uuid.Nil, err
 		}
+		// None of these is in refs: its provider id is pid, not arg.
 		for _, r := range at {
-			if r.Provider == provider && !slices.Contains(refs, r) {
+			if r.Provider == provider {
 				refs = append(refs, r)
 			}
 		}
