@@ -330,7 +330,18 @@ func TestAlertsCovered(t *testing.T) {
 	}
 }
 
-// dashboardQueries reads the dashboard and returns its PromQL queries.
+// panel is a panel of the dashboard.
+type panel struct {
+	Type    string `json:"type"`
+	Title   string `json:"title"`
+	Targets []struct {
+		Expr string `json:"expr"`
+	} `json:"targets"`
+	Panels []panel `json:"panels"` // of a collapsed row
+}
+
+// dashboardQueries reads the dashboard and returns its PromQL queries, those
+// of the panels in collapsed rows included.
 func dashboardQueries(t *testing.T) []string {
 	t.Helper()
 	data, err := os.ReadFile(filepath.Join("grafana", "shepherd-fleet.json"))
@@ -345,13 +356,7 @@ func dashboardQueries(t *testing.T) []string {
 				Definition string `json:"definition"`
 			} `json:"list"`
 		} `json:"templating"`
-		Panels []struct {
-			Type    string `json:"type"`
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
+		Panels []panel `json:"panels"`
 	}
 	if err := json.Unmarshal(data, &d); err != nil {
 		t.Fatalf("the dashboard is not valid JSON: %v", err)
@@ -360,8 +365,11 @@ func dashboardQueries(t *testing.T) []string {
 		t.Error("the dashboard has no title or uid")
 	}
 	var qs []string
-	for _, p := range d.Panels {
+	for i := 0; i < len(d.Panels); i++ {
+		p := d.Panels[i]
 		if p.Type == "row" {
+			// A collapsed row holds its panels.
+			d.Panels = append(d.Panels, p.Panels...)
 			continue
 		}
 		if len(p.Targets) == 0 {
