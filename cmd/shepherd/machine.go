@@ -32,17 +32,15 @@ const (
 	outputJSON  = "json"
 )
 
-// bindOutput adds --output to cmd.
+// bindOutput adds --output to cmd, checked before cmd runs.
 func (c *machineCLI) bindOutput(cmd *cobra.Command) {
 	cmd.Flags().StringVarP(&c.output, "output", "o", outputTable, "output format: table or json")
-}
-
-// checkOutput validates --output before anything is read.
-func (c *machineCLI) checkOutput() error {
-	if c.output != outputTable && c.output != outputJSON {
-		return fmt.Errorf("--output %q is not an output format: use table or json", c.output)
+	cmd.PreRunE = func(*cobra.Command, []string) error {
+		if c.output != outputTable && c.output != outputJSON {
+			return fmt.Errorf("--output %q is not an output format: use table or json", c.output)
+		}
+		return nil
 	}
-	return nil
 }
 
 func (c *machineCLI) open(ctx context.Context) (*bmdb.DB, error) {

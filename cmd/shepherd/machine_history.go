@@ -31,9 +31,6 @@ func (c *machineCLI) historyCommand() *cobra.Command {
 			if limit < 0 {
 				return fmt.Errorf("--limit must be >= 0 (0 = all), got %d", limit)
 			}
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err

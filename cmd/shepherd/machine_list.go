@@ -60,9 +60,6 @@ func (c *machineCLI) listCommand() *cobra.Command {
 			"case-insensitively. Decommissioned machines are left out unless asked for.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			if limit < 1 {
 				return fmt.Errorf("--limit must be at least 1, got %d", limit)
 			}

@@ -239,9 +239,6 @@ func (c *machineCLI) showCommand() *cobra.Command {
 		Short: "Show a machine with all of its tags, its work and its backoffs",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err
