@@ -262,13 +262,21 @@ var alertNames = []string{
 	"ShepherdProviderRateLimited", "ShepherdSessionsExpiring", "ShepherdNoRecoverer",
 }
 
-// rules reads the alerting rules: alert name → expression.
-func rules(t *testing.T) map[string]string {
+// readYAML reads the YAML file at path into v.
+func readYAML(t *testing.T, path string, v any) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("prometheus", "alerts.yml"))
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := yaml.Unmarshal(data, v); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+}
+
+// rules reads the alerting rules: alert name → expression.
+func rules(t *testing.T) map[string]string {
+	t.Helper()
 	var f struct {
 		Groups []struct {
 			Rules []struct {
@@ -277,9 +285,7 @@ func rules(t *testing.T) map[string]string {
 			} `yaml:"rules"`
 		} `yaml:"groups"`
 	}
-	if err := yaml.Unmarshal(data, &f); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("prometheus", "alerts.yml"), &f)
 	r := map[string]string{}
 	for _, g := range f.Groups {
 		for _, rule := range g.Rules {
@@ -293,10 +299,6 @@ func rules(t *testing.T) map[string]string {
 // and that the unit tests expect every alert to fire at least once.
 func TestAlertsCovered(t *testing.T) {
 	r := rules(t)
-	data, err := os.ReadFile(filepath.Join("prometheus", "alerts_test.yml"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var tests struct {
 		Tests []struct {
 			AlertRuleTest []struct {
@@ -305,9 +307,7 @@ func TestAlertsCovered(t *testing.T) {
 			} `yaml:"alert_rule_test"`
 		} `yaml:"tests"`
 	}
-	if err := yaml.Unmarshal(data, &tests); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("prometheus", "alerts_test.yml"), &tests)
 	fires, quiet := map[string]bool{}, map[string]bool{}
 	for _, tc := range tests.Tests {
 		for _, a := range tc.AlertRuleTest {
@@ -541,13 +541,7 @@ func TestQueriesNameServedMetrics(t *testing.T) {
 		Project string `yaml:"project"`
 		APIURL  string `yaml:"api_url"`
 	}
-	eqData, err := os.ReadFile(filepath.Join("examples", "equinix.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := yaml.Unmarshal(eqData, &eq); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("examples", "equinix.yaml"), &eq)
 	api.AddReservations(eq.Project, "m3.small.x86", "fr2", "fr", 2)
 	apiSrv := httptest.NewServer(api)
 	t.Cleanup(apiSrv.Close)
