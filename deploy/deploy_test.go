@@ -10,7 +10,6 @@ import (
 	"encoding/pem"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -29,6 +28,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/localport"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
 )
 
@@ -624,15 +624,16 @@ func scrape(ctx context.Context, addr string) ([]byte, error) {
 	return io.ReadAll(resp.Body)
 }
 
-// freeAddr returns a loopback address whose port was free a moment ago.
+// freeAddr returns a loopback address whose port was free a moment ago,
+// below the ephemeral range (see package localport), so that no outgoing
+// connection of the tests or of shepherd takes it before shepherd binds it.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := localport.Free(localport.Low, localport.High)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return fmt.Sprintf("127.0.0.1:%d", port)
 }
 
 // start runs shepherd with args until the test ends; if it exits before,
