@@ -10,7 +10,6 @@ import (
 	"encoding/pem"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -29,6 +28,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/localport"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
 )
 
@@ -262,13 +262,21 @@ var alertNames = []string{
 	"ShepherdProviderRateLimited", "ShepherdSessionsExpiring", "ShepherdNoRecoverer",
 }
 
-// rules reads the alerting rules: alert name → expression.
-func rules(t *testing.T) map[string]string {
+// readYAML reads the YAML file at path into v.
+func readYAML(t *testing.T, path string, v any) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("prometheus", "alerts.yml"))
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := yaml.Unmarshal(data, v); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+}
+
+// rules reads the alerting rules: alert name → expression.
+func rules(t *testing.T) map[string]string {
+	t.Helper()
 	var f struct {
 		Groups []struct {
 			Rules []struct {
@@ -277,9 +285,7 @@ func rules(t *testing.T) map[string]string {
 			} `yaml:"rules"`
 		} `yaml:"groups"`
 	}
-	if err := yaml.Unmarshal(data, &f); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("prometheus", "alerts.yml"), &f)
 	r := map[string]string{}
 	for _, g := range f.Groups {
 		for _, rule := range g.Rules {
@@ -293,10 +299,6 @@ func rules(t *testing.T) map[string]string {
 // and that the unit tests expect every alert to fire at least once.
 func TestAlertsCovered(t *testing.T) {
 	r := rules(t)
-	data, err := os.ReadFile(filepath.Join("prometheus", "alerts_test.yml"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var tests struct {
 		Tests []struct {
 			AlertRuleTest []struct {
@@ -305,9 +307,7 @@ func TestAlertsCovered(t *testing.T) {
 			} `yaml:"alert_rule_test"`
 		} `yaml:"tests"`
 	}
-	if err := yaml.Unmarshal(data, &tests); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("prometheus", "alerts_test.yml"), &tests)
 	fires, quiet := map[string]bool{}, map[string]bool{}
 	for _, tc := range tests.Tests {
 		for _, a := range tc.AlertRuleTest {
@@ -330,7 +330,18 @@ func TestAlertsCovered(t *testing.T) {
 	}
 }
 
-// dashboardQueries reads the dashboard and returns its PromQL queries.
+// panel is a panel of the dashboard.
+type panel struct {
+	Type    string `json:"type"`
+	Title   string `json:"title"`
+	Targets []struct {
+		Expr string `json:"expr"`
+	} `json:"targets"`
+	Panels []panel `json:"panels"` // of a collapsed row
+}
+
+// dashboardQueries reads the dashboard and returns its PromQL queries, those
+// of the panels in collapsed rows included.
 func dashboardQueries(t *testing.T) []string {
 	t.Helper()
 	data, err := os.ReadFile(filepath.Join("grafana", "shepherd-fleet.json"))
@@ -345,13 +356,7 @@ func dashboardQueries(t *testing.T) []string {
 				Definition string `json:"definition"`
 			} `json:"list"`
 		} `json:"templating"`
-		Panels []struct {
-			Type    string `json:"type"`
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
+		Panels []panel `json:"panels"`
 	}
 	if err := json.Unmarshal(data, &d); err != nil {
 		t.Fatalf("the dashboard is not valid JSON: %v", err)
@@ -360,8 +365,11 @@ func dashboardQueries(t *testing.T) []string {
 		t.Error("the dashboard has no title or uid")
 	}
 	var qs []string
-	for _, p := range d.Panels {
+	for i := 0; i < len(d.Panels); i++ {
+		p := d.Panels[i]
 		if p.Type == "row" {
+			// A collapsed row holds its panels.
+			d.Panels = append(d.Panels, p.Panels...)
 			continue
 		}
 		if len(p.Targets) == 0 {
@@ -533,13 +541,7 @@ func TestQueriesNameServedMetrics(t *testing.T) {
 		Project string `yaml:"project"`
 		APIURL  string `yaml:"api_url"`
 	}
-	eqData, err := os.ReadFile(filepath.Join("examples", "equinix.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := yaml.Unmarshal(eqData, &eq); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, filepath.Join("examples", "equinix.yaml"), &eq)
 	api.AddReservations(eq.Project, "m3.small.x86", "fr2", "fr", 2)
 	apiSrv := httptest.NewServer(api)
 	t.Cleanup(apiSrv.Close)
@@ -622,15 +624,16 @@ func scrape(ctx context.Context, addr string) ([]byte, error) {
 	return io.ReadAll(resp.Body)
 }
 
-// freeAddr returns a loopback address whose port was free a moment ago.
+// freeAddr returns a loopback address whose port was free a moment ago,
+// below the ephemeral range (see package localport), so that no outgoing
+// connection of the tests or of shepherd takes it before shepherd binds it.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := localport.Free(localport.Low, localport.High)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return fmt.Sprintf("127.0.0.1:%d", port)
 }
 
 // start runs shepherd with args until the test ends; if it exits before,

@@ -43,6 +43,14 @@ func TestDevEquinixConfig(t *testing.T) {
 	srv := httptest.NewServer(fake)
 	t.Cleanup(srv.Close)
 	dir := t.TempDir() + "/equinix"
+	// A token file left by an earlier run, readable by all: it is
+	// replaced by a private one.
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir+"/token", []byte("old-token\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	var api devEquinixAPI
 	if err := writeDevEquinixConfig(dir, srv.URL+"/metal/v1", token, &api); err != nil {
 		t.Fatal(err)

@@ -54,16 +54,14 @@ func (c *machineCLI) hostKeyAcceptCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			id, err := resolveMachine(cmd.Context(), db, args[0])
+			d, _, err := findMachine(cmd.Context(), db, args[0])
 			if err != nil {
 				return err
 			}
+			id := d.MachineID
 			ch, err := db.AcceptHostKey(cmd.Context(), id, fingerprint, operator()+" with the shepherd CLI", reason)
 			switch {
 			case errors.Is(err, bmdb.ErrNotFound):
-				if _, gerr := db.GetMachine(cmd.Context(), id); errors.Is(gerr, bmdb.ErrNotFound) {
-					return fmt.Errorf("machine %s does not exist", id)
-				}
 				return fmt.Errorf("machine %s has no SSH host key recorded: there is nothing to replace (its next takeover records the key it presents)", id)
 			case errors.Is(err, bmdb.ErrNoOfferedHostKey):
 				return fmt.Errorf("machine %s has presented no SSH host key other than its recorded one: nothing to accept (nothing changed)", id)

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -31,17 +32,15 @@ const (
 	outputJSON  = "json"
 )
 
-// bindOutput adds --output to cmd.
+// bindOutput adds --output to cmd, checked before cmd runs.
 func (c *machineCLI) bindOutput(cmd *cobra.Command) {
 	cmd.Flags().StringVarP(&c.output, "output", "o", outputTable, "output format: table or json")
-}
-
-// checkOutput validates --output before anything is read.
-func (c *machineCLI) checkOutput() error {
-	if c.output != outputTable && c.output != outputJSON {
-		return fmt.Errorf("--output %q is not an output format: use table or json", c.output)
+	cmd.PreRunE = func(*cobra.Command, []string) error {
+		if c.output != outputTable && c.output != outputJSON {
+			return fmt.Errorf("--output %q is not an output format: use table or json", c.output)
+		}
+		return nil
 	}
-	return nil
 }
 
 func (c *machineCLI) open(ctx context.Context) (*bmdb.DB, error) {
@@ -65,8 +64,9 @@ func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, er
 		if err != nil {
 			return uuid.Nil, err
 		}
+		// None of these is in refs: its provider id is pid, not arg.
 		for _, r := range at {
-			if r.Provider == provider && !slices.Contains(refs, r) {
+			if r.Provider == provider {
 				refs = append(refs, r)
 			}
 		}
@@ -90,6 +90,26 @@ func resolveMachine(ctx context.Context, db *bmdb.DB, arg string) (uuid.UUID, er
 		return id, nil
 	}
 	return uuid.Nil, fmt.Errorf("no machine has the id or provider id %q (a machine id is a UUID; a provider id is as machine list shows it, or provider/id)", arg)
+}
+
+// findMachine reads the machine arg names (resolveMachine), its state
+// judged by the heartbeat timeouts the recoverers recorded in the BMDB (the
+// defaults if none did), as the recoverer judges it; it returns those
+// timeouts too. A machine that does not exist is an error saying so.
+func findMachine(ctx context.Context, db *bmdb.DB, arg string) (bmdb.MachineDetail, bmdb.SilenceTimeouts, error) {
+	id, err := resolveMachine(ctx, db, arg)
+	if err != nil {
+		return bmdb.MachineDetail{}, bmdb.SilenceTimeouts{}, err
+	}
+	timeouts, err := db.SilenceTimeouts(ctx)
+	if err != nil {
+		return bmdb.MachineDetail{}, bmdb.SilenceTimeouts{}, err
+	}
+	d, err := db.GetMachineWithTimeouts(ctx, id, timeouts.FirstHeartbeat, timeouts.Heartbeat)
+	if errors.Is(err, bmdb.ErrNotFound) {
+		return d, timeouts, fmt.Errorf("machine %s does not exist", id)
+	}
+	return d, timeouts, err
 }
 
 // parseState parses --state: a derived state as machine list shows it.

@@ -38,16 +38,11 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			id, err := resolveMachine(cmd.Context(), db, args[0])
+			d, _, err := findMachine(cmd.Context(), db, args[0])
 			if err != nil {
 				return err
 			}
-			d, err := db.GetMachine(cmd.Context(), id)
-			if errors.Is(err, bmdb.ErrNotFound) {
-				return fmt.Errorf("machine %s does not exist", id)
-			} else if err != nil {
-				return err
-			}
+			id := d.MachineID
 			out := cmd.OutOrStdout()
 			if d.State == bmdb.StateDecommissioned {
 				return fmt.Errorf("machine %s was decommissioned already at %s", id, timeText(d.DecommissionedAt))

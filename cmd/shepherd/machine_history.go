@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 	"text/tabwriter"
@@ -32,24 +31,16 @@ func (c *machineCLI) historyCommand() *cobra.Command {
 			if limit < 0 {
 				return fmt.Errorf("--limit must be >= 0 (0 = all), got %d", limit)
 			}
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer db.Close()
-			id, err := resolveMachine(cmd.Context(), db, args[0])
+			d, _, err := findMachine(cmd.Context(), db, args[0])
 			if err != nil {
 				return err
 			}
-			f.MachineID = id
-			if _, err := db.GetMachine(cmd.Context(), id); errors.Is(err, bmdb.ErrNotFound) {
-				return fmt.Errorf("machine %s does not exist", id)
-			} else if err != nil {
-				return err
-			}
+			f.MachineID = d.MachineID
 			// History reads oldest first; keep the last limit events.
 			events := []bmdb.HistoryEvent{}
 			for {

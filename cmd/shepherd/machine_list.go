@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -61,9 +60,6 @@ func (c *machineCLI) listCommand() *cobra.Command {
 			"case-insensitively. Decommissioned machines are left out unless asked for.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			if limit < 1 {
 				return fmt.Errorf("--limit must be at least 1, got %d", limit)
 			}
@@ -71,13 +67,9 @@ func (c *machineCLI) listCommand() *cobra.Command {
 				return fmt.Errorf("--sort %q is not an order: use %s or %s", sortBy, sortMachineID, sortProviderID)
 			}
 			if state != "" {
-				f.State = bmdb.MachineState(state)
-				if f.State.Validate() != nil {
-					names := make([]string, 0, len(bmdb.MachineStates()))
-					for _, s := range bmdb.MachineStates() {
-						names = append(names, string(s))
-					}
-					return fmt.Errorf("--state %q is not a machine state: use one of %s", state, strings.Join(names, ", "))
+				var err error
+				if f.State, err = parseState(state); err != nil {
+					return err
 				}
 			}
 			db, err := c.open(cmd.Context())

@@ -72,11 +72,14 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 				f.FirstHeartbeatTimeout, f.HeartbeatTimeout = timeouts.FirstHeartbeat, timeouts.Heartbeat
 				return c.resetSelected(cmd, db, p, f, all, yes, cause)
 			}
+			// Every named machine is found before any is reset.
 			ids := make([]uuid.UUID, len(args))
 			for i, a := range args {
-				if ids[i], err = resolveMachine(cmd.Context(), db, a); err != nil {
+				d, _, err := findMachine(cmd.Context(), db, a)
+				if err != nil {
 					return err
 				}
+				ids[i] = d.MachineID
 			}
 			for _, id := range ids {
 				if err := resetOne(cmd, db, id, p, cause); err != nil {
@@ -96,13 +99,8 @@ func (c *machineCLI) resetCommand() *cobra.Command {
 	return cmd
 }
 
-// resetOne resets one named machine's backoff for p.
+// resetOne resets the backoff for p of machine id, which exists.
 func resetOne(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, p bmdb.Process, cause string) error {
-	if _, err := db.GetMachine(cmd.Context(), id); errors.Is(err, bmdb.ErrNotFound) {
-		return fmt.Errorf("machine %s does not exist", id)
-	} else if err != nil {
-		return err
-	}
 	b, err := db.GetBackoff(cmd.Context(), id, p)
 	if errors.Is(err, bmdb.ErrNotFound) {
 		return fmt.Errorf("machine %s has no backoff for %s: nothing to reset", id, p)

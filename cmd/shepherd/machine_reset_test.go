@@ -128,4 +128,14 @@ func TestMachineResetSelected(t *testing.T) {
 	if hasBackoff(untouched) {
 		t.Error("a machine never claimed has a backoff")
 	}
+
+	// A name of no machine among them: none is reset.
+	q := quarantine(t, db, s, "static")
+	unknown := uuid.NewString()
+	if out, err := run(t, "machine", "reset", q.String(), unknown, "--process", "AgentStart", url); err == nil || !strings.Contains(err.Error(), "machine "+unknown+" does not exist") {
+		t.Errorf("reset %s %s: %v, want machine %s does not exist\n%s", q, unknown, err, unknown, out)
+	}
+	if !hasBackoff(q) {
+		t.Errorf("machine %s was reset, though another name was of no machine", q)
+	}
 }

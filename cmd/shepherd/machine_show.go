@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/base64"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -240,28 +239,13 @@ func (c *machineCLI) showCommand() *cobra.Command {
 		Short: "Show a machine with all of its tags, its work and its backoffs",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			db, err := c.open(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer db.Close()
-			id, err := resolveMachine(cmd.Context(), db, args[0])
+			d, timeouts, err := findMachine(cmd.Context(), db, args[0])
 			if err != nil {
-				return err
-			}
-			// Silent is judged by the timeouts the recoverers recorded in
-			// the BMDB (the defaults if none did), as the recoverer judges.
-			timeouts, err := db.SilenceTimeouts(cmd.Context())
-			if err != nil {
-				return err
-			}
-			d, err := db.GetMachineWithTimeouts(cmd.Context(), id, timeouts.FirstHeartbeat, timeouts.Heartbeat)
-			if errors.Is(err, bmdb.ErrNotFound) {
-				return fmt.Errorf("machine %s does not exist", id)
-			} else if err != nil {
 				return err
 			}
 			if c.output == outputJSON {

@@ -17,30 +17,32 @@ const (
 // listMachines reads up to limit machines matching f in the order sortBy
 // names, following pages.
 func listMachines(ctx context.Context, db *bmdb.DB, f bmdb.MachineFilter, sortBy string, limit int) ([]bmdb.MachineSummary, error) {
-	var machines []bmdb.MachineSummary
 	if sortBy == sortProviderID {
-		var after bmdb.ProviderIDCursor
-		for len(machines) < limit {
-			page, next, err := db.ListMachinesByProviderID(ctx, f, after, min(listPage, limit-len(machines)))
-			if err != nil {
-				return nil, err
-			}
-			machines = append(machines, page...)
-			if next.IsZero() {
-				break
-			}
-			after = next
-		}
-		return machines, nil
+		return readPages(limit, func(after bmdb.ProviderIDCursor, n int) ([]bmdb.MachineSummary, bmdb.ProviderIDCursor, error) {
+			return db.ListMachinesByProviderID(ctx, f, after, n)
+		})
 	}
-	after := uuid.Nil
+	return readPages(limit, func(after uuid.UUID, n int) ([]bmdb.MachineSummary, uuid.UUID, error) {
+		return db.ListMachines(ctx, f, after, n)
+	})
+}
+
+// readPages reads up to limit machines with read, a page of at most n
+// after the cursor after at a time, from the zero cursor until read
+// returns the zero cursor as the next.
+func readPages[C comparable](limit int, read func(after C, n int) ([]bmdb.MachineSummary, C, error)) ([]bmdb.MachineSummary, error) {
+	var (
+		machines []bmdb.MachineSummary
+		after    C
+		zero     C
+	)
 	for len(machines) < limit {
-		page, next, err := db.ListMachines(ctx, f, after, min(listPage, limit-len(machines)))
+		page, next, err := read(after, min(listPage, limit-len(machines)))
 		if err != nil {
 			return nil, err
 		}
 		machines = append(machines, page...)
-		if next == uuid.Nil {
+		if next == zero {
 			break
 		}
 		after = next

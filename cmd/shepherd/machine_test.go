@@ -432,6 +432,7 @@ func TestMachineCommandErrors(t *testing.T) {
 		{[]string{"machine", "show", m.String(), "-o", "xml"}, "--output"},
 		{[]string{"machine", "history", m.String(), "--process", "Nap"}, "--process"},
 		{[]string{"machine", "history", "42"}, "42"},
+		{[]string{"machine", "history", uuid.NewString()}, "does not exist"},
 		{[]string{"session", "list", "-o", "csv"}, "--output"},
 	} {
 		out, err := run(t, append(c.args, "--database-url", db.URL)...)

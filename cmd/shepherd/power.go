@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 
@@ -76,11 +75,11 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			id, err := resolveMachine(cmd.Context(), db, args[1])
+			d, _, err := findMachine(cmd.Context(), db, args[1])
 			if err != nil {
 				return err
 			}
-			m, closeProvider, err := openPowerMachine(cmd, db, id, f, config)
+			m, closeProvider, err := openPowerMachine(cmd, d, f, config)
 			if err != nil {
 				return err
 			}
@@ -96,17 +95,11 @@ func (c *machineCLI) powerCommand() *cobra.Command {
 	return cmd
 }
 
-// openPowerMachine finds machine id in the BMDB, builds the provider from
-// the flags, checks that the machine is that provider's, and gets its BMC.
-// closeProvider releases the provider.
-func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlags, config []byte) (m poweraction.Machine, closeProvider func(), err error) {
+// openPowerMachine builds the provider from the flags, checks that machine
+// d is that provider's, and gets its BMC. closeProvider releases the
+// provider.
+func openPowerMachine(cmd *cobra.Command, d bmdb.MachineDetail, f powerFlags, config []byte) (m poweraction.Machine, closeProvider func(), err error) {
 	ctx := cmd.Context()
-	d, err := db.GetMachine(ctx, id)
-	if errors.Is(err, bmdb.ErrNotFound) {
-		return m, nil, fmt.Errorf("machine %s does not exist", id)
-	} else if err != nil {
-		return m, nil, err
-	}
 	// Before the provider is built: the machine may be no provider's.
 	if err := poweraction.CheckProvided(d); err != nil {
 		return m, nil, err
@@ -131,7 +124,7 @@ func openPowerMachine(cmd *cobra.Command, db *bmdb.DB, id uuid.UUID, f powerFlag
 	}
 	if p.Name() != d.Provider {
 		return fail(fmt.Errorf("machine %s belongs to provider %q, but --provider %s --provider-config %q builds provider %q: pass the configuration of %q",
-			id, d.Provider, f.provider, f.providerConfig, p.Name(), d.Provider))
+			d.MachineID, d.Provider, f.provider, f.providerConfig, p.Name(), d.Provider))
 	}
 	pc, ok := p.(provider.PowerController)
 	if !ok {

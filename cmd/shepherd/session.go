@@ -46,9 +46,6 @@ func (c *machineCLI) sessionListCommand() *cobra.Command {
 		Short: "List live sessions (with --all, closed and expired ones too), newest first",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.checkOutput(); err != nil {
-				return err
-			}
 			if limit < 1 {
 				return fmt.Errorf("--limit must be at least 1, got %d", limit)
 			}

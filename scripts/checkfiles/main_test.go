@@ -80,6 +80,8 @@ func TestCheck(t *testing.T) {
 		"web.test":              []byte("a test binary by name"),
 		"win/tool":              peHeader(),
 		"mac/tool":              {0xcf, 0xfa, 0xed, 0xfe, 7, 0, 0, 1},
+		"mac/fat":               {0xca, 0xfe, 0xba, 0xbe, 0, 0, 0, 2},
+		"web/module":            []byte("\x00asm\x01\x00\x00\x00"),
 		"README.md":             []byte("# A clean file\n"),
 		"main.go":               []byte("package main\n\nfunc main() {}\n"),
 		"notes/MZ.txt":          []byte("MZ is not a binary without its PE signature, even in a long enough file: " + strings.Repeat(".", 100)),
@@ -115,6 +117,8 @@ func TestCheck(t *testing.T) {
 		"web.test":           {"(*.test)"},
 		"win/tool":           {"PE (Windows) binary"},
 		"mac/tool":           {"Mach-O binary"},
+		"mac/fat":            {"Mach-O universal binary or Java class"},
+		"web/module":         {"WebAssembly module"},
 	}
 	for name, parts := range want {
 		why, ok := got[name]
