@@ -584,4 +584,13 @@ func TestOverviewCountsAreTheBMDBs(t *testing.T) {
 			t.Errorf("overview lacks %q", want)
 		}
 	}
+	// Every provider's breaker is read: the configured one (alongside the
+	// snapshot) and those that only have machines (after it).
+	breakers := body[strings.Index(body, `id="breakers"`):]
+	for _, p := range []string{"big", "sim", "q", "empty"} {
+		row := regexp.MustCompile(`(?s)<tr data-provider="` + p + `">.*?</tr>`).FindString(breakers)
+		if !strings.Contains(row, "closed: reboots allowed") || !strings.Contains(row, "2 / 13") {
+			t.Errorf("breaker row of %s lacks the breaker:\n%s", p, row)
+		}
+	}
 }
