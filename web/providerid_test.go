@@ -75,10 +75,15 @@ func TestListSortsByProviderID(t *testing.T) {
 			t.Errorf("%s: listed %v, want %v", tt.query, got, want)
 		}
 	}
-	body := s.get(t, "/machines?state=Healthy")
-	link := regexp.MustCompile(`id="sort-provider-id" href="([^"]+)"`).FindStringSubmatch(body)
-	if link == nil || html.UnescapeString(link[1]) != "/machines?sort=provider-id&state=Healthy" {
-		t.Errorf("the provider id header links to %v, want the filtered list in provider id order", link)
+	for query, want := range map[string]string{
+		"?state=Healthy":                     "/machines?sort=provider-id&state=Healthy",
+		"?decommissioned=on&provider=a&q=m1": "/machines?decommissioned=on&provider=a&q=m1&sort=provider-id",
+	} {
+		body := s.get(t, "/machines"+query)
+		link := regexp.MustCompile(`id="sort-provider-id" href="([^"]+)"`).FindStringSubmatch(body)
+		if link == nil || html.UnescapeString(link[1]) != want {
+			t.Errorf("%s: the provider id header links to %v, want the filtered list in provider id order", query, link)
+		}
 	}
 	if resp, body := s.do(t, http.MethodGet, "/machines?sort=name", nil); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("sort=name: %s\n%s", resp.Status, body)
