@@ -496,6 +496,15 @@ func TestActions(t *testing.T) {
 	if err != nil || m.State != bmdb.StateDecommissioning {
 		t.Errorf("after decommission the machine is %v (%v), want Decommissioning", m.State, err)
 	}
+	// No installation on a machine being decommissioned: a conflict that
+	// says why, and nothing stored.
+	good.Set("csrf", s.confirmForm(t, "/machines/"+d+"/install"))
+	if resp, body := post("/machines/"+d+"/install", good); resp.StatusCode != http.StatusConflict || !strings.Contains(body, "decommissioned or being decommissioned") {
+		t.Errorf("install on a machine being decommissioned: POST = %s, want 409 saying so:\n%s", resp.Status, body)
+	}
+	if in, err := f.db.GetInstallation(t.Context(), f.healthy[2]); err != nil || in.RequestGeneration != 0 {
+		t.Errorf("an install refused for decommissioning stored a request: %+v, %v", in, err)
+	}
 
 	// The token never shows: not in a page, not in the log.
 	for _, path := range f.pages() {
