@@ -27,26 +27,11 @@ func TestOverviewCountsAgree(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 30, Stale: 6, AwaitingAgent: 2, NeverHeartbeat: 2})
-	stale := func(n int) []uuid.UUID {
-		t.Helper()
-		rows, err := db.Pool.Query(t.Context(), `SELECT machine_id FROM machine_agent_heartbeat
-			WHERE agent_heartbeat_at < now() - interval '10 minutes' ORDER BY machine_id LIMIT $1`, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var ids []uuid.UUID
-		for rows.Next() {
-			var id uuid.UUID
-			if err := rows.Scan(&id); err != nil {
-				t.Fatal(err)
-			}
-			ids = append(ids, id)
-		}
-		if len(ids) != n {
-			t.Fatalf("%d stale machines, want %d", len(ids), n)
-		}
-		return ids
-	}(3)
+	stale := column[uuid.UUID](t, db, `SELECT machine_id FROM machine_agent_heartbeat
+		WHERE agent_heartbeat_at < now() - interval '10 minutes' ORDER BY machine_id LIMIT 3`)
+	if len(stale) != 3 {
+		t.Fatalf("%d stale machines, want 3", len(stale))
+	}
 	// Silent machines elsewhere than in state Silent: one backed off for
 	// Recovery (its reboot failed), one quarantined for Recovery, one being
 	// recovered by a live session.

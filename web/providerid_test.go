@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/web"
 )
@@ -50,7 +52,7 @@ func TestListSortsByProviderID(t *testing.T) {
 		{"?sort=provider-id", "true"},
 		{"?state=Healthy&sort=provider-id&provider=b", "provider = 'b' AND machine_id NOT IN (SELECT machine_id FROM machine_agent_heartbeat WHERE agent_heartbeat_at < now() - interval '5 minutes')"},
 	} {
-		want := ordered(t, db, "SELECT machine_id::text FROM machine_provided WHERE "+tt.where+" ORDER BY provider, provider_id")
+		want := column[string](t, db, "SELECT machine_id::text FROM machine_provided WHERE "+tt.where+" ORDER BY provider, provider_id")
 		var got []string
 		paths, bodies := s.listPages(t, "/machines"+tt.query)
 		for i, body := range bodies {
@@ -80,23 +82,15 @@ func TestListSortsByProviderID(t *testing.T) {
 	}
 }
 
-// ordered returns the text column of query's rows, in order.
-func ordered(t *testing.T, db *bmdbtest.DB, query string) []string {
+// column returns the first column of query's rows, in order.
+func column[T any](t *testing.T, db *bmdbtest.DB, query string, args ...any) []T {
 	t.Helper()
-	rows, err := db.Pool.Query(t.Context(), query)
+	rows, err := db.Pool.Query(t.Context(), query, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, s)
-	}
-	if err := rows.Err(); err != nil {
+	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
+	if err != nil {
 		t.Fatal(err)
 	}
 	return out
