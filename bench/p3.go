@@ -138,8 +138,7 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 				}
 			}
 		}
-		slices.Sort(lat)
-		p50, p99 := ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
+		p50, p99 := quantiles(lat)
 		kv = append(kv, p.name+"_p99_ms", p99)
 		if strings.HasSuffix(p.name, "_claim") {
 			// A claim is two transactions, not a candidate query; its
@@ -159,3 +158,11 @@ func benchCandidateLatency(ctx context.Context, e *env) error {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// quantiles sorts lat and returns its median and p99 (the samples at 50%
+// and 99% of the sorted order; of fewer than 100 samples, p99 is the
+// slowest) in milliseconds.
+func quantiles(lat []time.Duration) (p50, p99 float64) {
+	slices.Sort(lat)
+	return ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
+}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -94,9 +93,8 @@ func benchUIRender(ctx context.Context, e *env) error {
 	var worstPage string
 	var kv []any
 	for _, p := range pages {
-		n := p7Iterations
-		lat := make([]time.Duration, 0, n)
-		for i := range n + 5 {
+		lat := make([]time.Duration, 0, p7Iterations)
+		for i := range p7Iterations + 5 {
 			start := time.Now()
 			rec := get(h, p.path)
 			d := time.Since(start)
@@ -107,8 +105,7 @@ func benchUIRender(ctx context.Context, e *env) error {
 				lat = append(lat, d)
 			}
 		}
-		slices.Sort(lat)
-		p50, p99 := ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
+		p50, p99 := quantiles(lat)
 		kv = append(kv, p.name+"_p50_ms", p50, p.name+"_p99_ms", p99)
 		if p99 > worst {
 			worst, worstP50, worstPage = p99, p50, p.name

@@ -75,8 +75,21 @@ func TestMachineHistoryNewestFirst(t *testing.T) {
 	// Newer from the oldest page: back to the events of the page before.
 	body := s.get(t, pages[2])
 	newer := strings.TrimSuffix(links(body)["prev"], "#history")
-	if got := ids(s.get(t, newer)); len(got) != 500 || got[len(got)-1] != ids(body)[0]+1 {
+	newerBody := s.get(t, newer)
+	if got := ids(newerBody); len(got) != 500 || got[len(got)-1] != ids(body)[0]+1 {
 		t.Errorf("the newer page of the oldest (%s) shows %d events ending at %v, want 500 right above %d", newer, len(got), got[len(got)-1:], ids(body)[0])
+	}
+	// That page links on both ways: newer again to the newest events,
+	// older back to the oldest page.
+	l := links(newerBody)
+	for _, tt := range []struct{ rel, what, want string }{{"prev", "the newest", pages[0]}, {"next", "the oldest", pages[2]}} {
+		if l[tt.rel] == "" {
+			t.Errorf("the newer page %s has no %s link", newer, tt.rel)
+			continue
+		}
+		if got, want := ids(s.get(t, strings.TrimSuffix(l[tt.rel], "#history"))), ids(s.get(t, tt.want)); !slices.Equal(got, want) {
+			t.Errorf("the newer page %s links %s to %s, showing %d events, want %s page's %d", newer, tt.rel, l[tt.rel], len(got), tt.what, len(want))
+		}
 	}
 
 	for _, q := range []string{"history_before=0", "history_before=-1", "history_before=x", "history_after=-1", "history_before=5&history_after=2"} {

@@ -3,7 +3,7 @@ package web
 import (
 	"errors"
 	"net/http"
-	"net/url"
+	"slices"
 	"strings"
 
 	"github.com/google/uuid"
@@ -115,40 +115,24 @@ func (s *Server) machineList(_ http.ResponseWriter, r *http.Request) (*view, err
 		return nil, listError(err)
 	}
 	d.FirstPage = after == uuid.Nil && cursor.IsZero()
-	base := url.Values{}
-	for k, v := range map[string]string{"state": d.State, "provider": d.Provider, "location": d.Location, "q": d.Search} {
-		if v != "" {
-			base.Set(k, v)
-		}
-	}
+	decom := ""
 	if d.Decom {
-		base.Set("decommissioned", "on")
+		decom = "on"
 	}
-	d.SortURLs = map[string]string{}
-	for _, order := range []string{"", sortProviderID} {
-		base.Del("sort")
-		if order != "" {
-			base.Set("sort", order)
-		}
-		d.SortURLs[order] = "/machines"
-		if len(base) > 0 {
-			d.SortURLs[order] += "?" + base.Encode()
-		}
+	// page is the list of this filter in order, from the machine that
+	// follows the cursor kv (key, value pairs).
+	page := func(order string, kv ...string) string {
+		return listURL(slices.Concat([]string{"state", d.State, "provider", d.Provider, "location", d.Location,
+			"q", d.Search, "decommissioned", decom, "sort", order}, kv)...)
 	}
-	base.Del("sort")
-	if d.Sort != "" {
-		base.Set("sort", d.Sort)
-	}
-	d.FirstURL = d.SortURLs[d.Sort]
+	d.SortURLs = map[string]string{"": page(""), sortProviderID: page(sortProviderID)}
+	d.FirstURL = page(d.Sort)
 	switch {
-	case d.Sort == sortProviderID && !nextCursor.IsZero():
-		base.Set("after_provider", nextCursor.Provider)
-		base.Set("after_pid", nextCursor.ProviderID)
-		base.Set("after", nextCursor.MachineID.String())
-		d.NextURL = "/machines?" + base.Encode()
+	case !nextCursor.IsZero():
+		d.NextURL = page(d.Sort, "after_provider", nextCursor.Provider, "after_pid", nextCursor.ProviderID,
+			"after", nextCursor.MachineID.String())
 	case next != uuid.Nil:
-		base.Set("after", next.String())
-		d.NextURL = "/machines?" + base.Encode()
+		d.NextURL = page(d.Sort, "after", next.String())
 	}
 	return &view{Title: "Machines", Nav: "machines", Data: d}, nil
 }

@@ -59,37 +59,8 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	if err != nil {
 		return nil, err
 	}
-	// The breakers of the configured providers are read alongside the
-	// snapshot; those of other providers with machines after it.
-	var names []string
-	if s.cfg.Breaker != nil {
-		names = s.cfg.Providers
-	}
-	// The snapshot scans the fleet; the sessions and the breakers are read
-	// meanwhile.
-	var snap bmdb.FleetSnapshot
-	var sessions []bmdb.SessionInfo
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		var err error
-		snap, err = s.db.FleetSnapshot(gctx, timeouts.FirstHeartbeat, timeouts.Heartbeat)
-		return err
-	})
-	g.Go(func() error {
-		var err error
-		sessions, err = s.db.ListSessions(gctx, false, maxSessions)
-		return err
-	})
-	breakers := make([]*providerSummary, len(names))
-	for i, name := range names {
-		breakers[i] = &providerSummary{Name: name}
-		g.Go(func() error { s.readBreaker(gctx, breakers[i], timeouts); return nil })
-	}
-	if err := g.Wait(); err != nil {
-		return nil, err
-	}
 	d := &overviewData{Total: &providerSummary{Name: "", Counts: map[string]int64{}}, Breakers: s.cfg.Breaker != nil,
-		LiveSessions: len(sessions), Timeouts: timeouts}
+		Timeouts: timeouts}
 	for _, st := range bmdb.MachineStates() {
 		if st != bmdb.StateDecommissioned { // not in the fleet: counted apart
 			d.States = append(d.States, string(st))
@@ -108,10 +79,32 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	for _, name := range s.cfg.Providers {
 		provider(name)
 	}
-	for _, b := range breakers {
-		p := provider(b.Name)
-		p.Breaker, p.BreakerErr = b.Breaker, b.BreakerErr
+	configured := len(d.Providers)
+	// The snapshot scans the fleet; the sessions and the breakers of the
+	// configured providers are read meanwhile (those of other providers
+	// with machines after it).
+	var snap bmdb.FleetSnapshot
+	var sessions []bmdb.SessionInfo
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		var err error
+		snap, err = s.db.FleetSnapshot(gctx, timeouts.FirstHeartbeat, timeouts.Heartbeat)
+		return err
+	})
+	g.Go(func() error {
+		var err error
+		sessions, err = s.db.ListSessions(gctx, false, maxSessions)
+		return err
+	})
+	if s.cfg.Breaker != nil {
+		for _, p := range d.Providers {
+			g.Go(func() error { s.readBreaker(gctx, p, timeouts); return nil })
+		}
 	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	d.LiveSessions = len(sessions)
 	for _, c := range snap.States {
 		p := provider(c.Provider)
 		p.Counts[string(c.State)] += c.Machines
@@ -127,6 +120,15 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	for name, n := range snap.Decommissioned {
 		provider(name).Decommissioned = n
 		d.Total.Decommissioned += n
+	}
+	if s.cfg.Breaker != nil {
+		// The providers with machines but not configured: their breakers
+		// now, side by side.
+		var wg sync.WaitGroup
+		for _, p := range d.Providers[configured:] {
+			wg.Go(func() { s.readBreaker(ctx, p, timeouts) })
+		}
+		wg.Wait()
 	}
 	slices.SortFunc(d.Providers, func(a, b *providerSummary) int { return cmp.Compare(a.Name, b.Name) })
 
@@ -155,18 +157,6 @@ func (s *Server) overview(_ http.ResponseWriter, r *http.Request) (*view, error)
 	slices.SortFunc(d.Hardware, func(a, b bmdb.HardwareTotals) int {
 		return cmp.Or(cmp.Compare(a.Provider, b.Provider), cmp.Compare(a.Location, b.Location))
 	})
-
-	if s.cfg.Breaker != nil {
-		// The providers with machines but not configured: their breakers
-		// now, side by side.
-		var wg sync.WaitGroup
-		for _, p := range d.Providers {
-			if !slices.Contains(names, p.Name) {
-				wg.Go(func() { s.readBreaker(ctx, p, timeouts) })
-			}
-		}
-		wg.Wait()
-	}
 	return &view{Title: "Fleet overview", Nav: "overview", Refresh: s.refreshSeconds(), Data: d}, nil
 }
 

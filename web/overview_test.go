@@ -6,7 +6,9 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -27,26 +29,11 @@ func TestOverviewCountsAgree(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 30, Stale: 6, AwaitingAgent: 2, NeverHeartbeat: 2})
-	stale := func(n int) []uuid.UUID {
-		t.Helper()
-		rows, err := db.Pool.Query(t.Context(), `SELECT machine_id FROM machine_agent_heartbeat
-			WHERE agent_heartbeat_at < now() - interval '10 minutes' ORDER BY machine_id LIMIT $1`, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var ids []uuid.UUID
-		for rows.Next() {
-			var id uuid.UUID
-			if err := rows.Scan(&id); err != nil {
-				t.Fatal(err)
-			}
-			ids = append(ids, id)
-		}
-		if len(ids) != n {
-			t.Fatalf("%d stale machines, want %d", len(ids), n)
-		}
-		return ids
-	}(3)
+	stale := column[uuid.UUID](t, db, `SELECT machine_id FROM machine_agent_heartbeat
+		WHERE agent_heartbeat_at < now() - interval '10 minutes' ORDER BY machine_id LIMIT 3`)
+	if len(stale) != 3 {
+		t.Fatalf("%d stale machines, want 3", len(stale))
+	}
 	// Silent machines elsewhere than in state Silent: one backed off for
 	// Recovery (its reboot failed), one quarantined for Recovery, one being
 	// recovered by a live session.
@@ -129,5 +116,57 @@ func TestOverviewCountsAgree(t *testing.T) {
 		WHERE agent_heartbeat_at > now() - interval '1 minute' ORDER BY machine_id LIMIT 1`)
 	if phase := regexp.MustCompile(`<td id="agent-phase">(.*?)</td>`).FindStringSubmatch(s.get(t, "/machines/"+healthy.String())); phase == nil || phase[1] != "Heartbeating" {
 		t.Errorf("a healthy machine's agent phase is %v, want Heartbeating", phase)
+	}
+}
+
+// TestPagesJudgeSilenceByRecordedTimeouts: the overview, the list, the
+// machine page and the breaker judge silence by the heartbeat timeouts the
+// recoverers recorded in the BMDB, the defaults until one has, and say
+// which.
+func TestPagesJudgeSilenceByRecordedTimeouts(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 3, Stale: 2}) // stale: a day without a heartbeat
+	stale := column[uuid.UUID](t, db, `SELECT machine_id FROM machine_agent_heartbeat
+		WHERE agent_heartbeat_at < now() - interval '1 hour' ORDER BY machine_id`)
+	var mu sync.Mutex
+	var breakerSaw []bmdb.SilenceTimeouts
+	s := newServer(t, db.DB, web.Config{Providers: []string{"p"},
+		Breaker: func(_ context.Context, _ string, to bmdb.SilenceTimeouts) (web.BreakerState, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			breakerSaw = append(breakerSaw, to)
+			return web.BreakerState{}, nil
+		}})
+	card := regexp.MustCompile(`id="silent"><span class="n">(\d+)</span>`)
+	hint := regexp.MustCompile(`id="timeouts">([^<]*)<`)
+	check := func(silent, state, source string) {
+		t.Helper()
+		overview, list, page := s.get(t, "/"), s.get(t, "/machines?state=Silent"), s.get(t, "/machines/"+stale[0].String())
+		if m := card.FindStringSubmatch(overview); m == nil || m[1] != silent {
+			t.Errorf("overview: silent card %v, want %s", m, silent)
+		}
+		if !strings.Contains(list, `id="machine-count">`+silent+`<`) {
+			t.Errorf("list of Silent machines does not count %s", silent)
+		}
+		if !strings.Contains(page, `id="machine-state">`+state+`<`) {
+			t.Errorf("the page of a machine a day without a heartbeat does not show it %s", state)
+		}
+		for name, body := range map[string]string{"overview": overview, "list": list, "machine page": page} {
+			if m := hint.FindStringSubmatch(body); m == nil || !strings.Contains(m[1], source) {
+				t.Errorf("%s: timeouts hint %v, want it to contain %q", name, m, source)
+			}
+		}
+	}
+	check("2", "Silent", "heartbeat timeout "+bmdb.DefaultHeartbeatTimeout.String()+" (defaults")
+
+	if err := db.RecordSilenceTimeouts(t.Context(), "p", "recoverer on test", 48*time.Hour, 48*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	check("0", "Healthy", "heartbeat timeout 48h0m0s (recorded by the recoverer of provider p, recoverer on test")
+	mu.Lock()
+	defer mu.Unlock()
+	if last := breakerSaw[len(breakerSaw)-1]; last.Heartbeat != 48*time.Hour || last.FirstHeartbeat != 48*time.Hour {
+		t.Errorf("the breaker judged by %+v, want the recorded 48h", last)
 	}
 }

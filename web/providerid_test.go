@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/web"
 )
@@ -46,62 +48,49 @@ func TestListSortsByProviderID(t *testing.T) {
 		FROM (SELECT machine_id, row_number() OVER (PARTITION BY provider ORDER BY machine_id DESC) AS n FROM machine_provided) n
 		WHERE n.machine_id = p.machine_id`)
 	s := newServer(t, db.DB, web.Config{PageSize: 4})
-	row := regexp.MustCompile(`<a class="machine mono" href="/machines/([0-9a-f-]{36})"`)
-	next := regexp.MustCompile(`<a rel="next" href="([^"]+)"`)
 	for _, tt := range []struct{ query, where string }{
 		{"?sort=provider-id", "true"},
 		{"?state=Healthy&sort=provider-id&provider=b", "provider = 'b' AND machine_id NOT IN (SELECT machine_id FROM machine_agent_heartbeat WHERE agent_heartbeat_at < now() - interval '5 minutes')"},
 	} {
-		want := ordered(t, db, "SELECT machine_id::text FROM machine_provided WHERE "+tt.where+" ORDER BY provider, provider_id")
+		want := column[string](t, db, "SELECT machine_id::text FROM machine_provided WHERE "+tt.where+" ORDER BY provider, provider_id")
 		var got []string
-		path := "/machines" + tt.query
-		for pages := 0; path != ""; pages++ {
-			if pages > 10 {
-				t.Fatalf("%s: more than 10 pages", tt.query)
-			}
-			body := s.get(t, path)
-			for _, m := range row.FindAllStringSubmatch(body, -1) {
+		paths, bodies := s.listPages(t, "/machines"+tt.query)
+		for i, body := range bodies {
+			for _, m := range listedMachine.FindAllStringSubmatch(body, -1) {
 				got = append(got, m[1])
 			}
-			path = ""
-			if m := next.FindStringSubmatch(body); m != nil {
-				path = html.UnescapeString(m[1])
-				if !strings.Contains(path, "sort=provider-id") {
-					t.Errorf("%s: the next page %s leaves the order", tt.query, path)
-				}
+			if i > 0 && !strings.Contains(paths[i], "sort=provider-id") {
+				t.Errorf("%s: the next page %s leaves the order", tt.query, paths[i])
 			}
 		}
 		if !slices.Equal(got, want) {
 			t.Errorf("%s: listed %v, want %v", tt.query, got, want)
 		}
 	}
-	body := s.get(t, "/machines?state=Healthy")
-	link := regexp.MustCompile(`id="sort-provider-id" href="([^"]+)"`).FindStringSubmatch(body)
-	if link == nil || html.UnescapeString(link[1]) != "/machines?sort=provider-id&state=Healthy" {
-		t.Errorf("the provider id header links to %v, want the filtered list in provider id order", link)
+	for query, want := range map[string]string{
+		"?state=Healthy":                     "/machines?sort=provider-id&state=Healthy",
+		"?decommissioned=on&provider=a&q=m1": "/machines?decommissioned=on&provider=a&q=m1&sort=provider-id",
+	} {
+		body := s.get(t, "/machines"+query)
+		link := regexp.MustCompile(`id="sort-provider-id" href="([^"]+)"`).FindStringSubmatch(body)
+		if link == nil || html.UnescapeString(link[1]) != want {
+			t.Errorf("%s: the provider id header links to %v, want the filtered list in provider id order", query, link)
+		}
 	}
 	if resp, body := s.do(t, http.MethodGet, "/machines?sort=name", nil); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("sort=name: %s\n%s", resp.Status, body)
 	}
 }
 
-// ordered returns the text column of query's rows, in order.
-func ordered(t *testing.T, db *bmdbtest.DB, query string) []string {
+// column returns the first column of query's rows, in order.
+func column[T any](t *testing.T, db *bmdbtest.DB, query string, args ...any) []T {
 	t.Helper()
-	rows, err := db.Pool.Query(t.Context(), query)
+	rows, err := db.Pool.Query(t.Context(), query, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, s)
-	}
-	if err := rows.Err(); err != nil {
+	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
+	if err != nil {
 		t.Fatal(err)
 	}
 	return out

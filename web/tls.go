@@ -24,12 +24,6 @@ func LoopbackAddr(addr string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// loopbackListener reports whether a listener's address is a loopback one.
-func loopbackListener(addr net.Addr) bool {
-	tcp, ok := addr.(*net.TCPAddr)
-	return ok && tcp.IP.IsLoopback()
-}
-
 // loadTLS reads the certificate (chain) and key Run serves HTTPS with.
 func loadTLS(certFile, keyFile string) (*tls.Config, error) {
 	cert, err := tls.LoadX509KeyPair(certFile, keyFile)

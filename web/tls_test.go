@@ -2,18 +2,11 @@ package web_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -22,49 +15,27 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/devpki"
 	"github.com/shepherd/shepherd/web"
 )
 
-// selfSigned writes a self-signed certificate for 127.0.0.1 and its key
-// into dir and returns their paths and a pool trusting the certificate.
-func selfSigned(t *testing.T, dir string) (certFile, keyFile string, pool *x509.CertPool) {
+// webCert creates a development PKI (internal/devpki) in a fresh directory,
+// with a server certificate for 127.0.0.1, and returns the certificate and
+// key files and a pool trusting its CA.
+func webCert(t *testing.T) (certFile, keyFile string, pool *x509.CertPool) {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	dir := t.TempDir()
+	pki, err := devpki.LoadOrCreate(dir, []string{"127.0.0.1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: "shepherd web test"},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	certFile, keyFile = filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
+	ca, err := x509.ParseCertificate(pki.CA)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pool = x509.NewCertPool()
-	pool.AddCert(cert)
-	return certFile, keyFile, pool
+	pool.AddCert(ca)
+	return filepath.Join(dir, "server.crt"), filepath.Join(dir, "server.key"), pool
 }
 
 // runServer starts cfg's web UI with Run and returns its address and a
@@ -105,7 +76,7 @@ func runServer(t *testing.T, cfg web.Config, ln net.Listener) (addr string, stop
 // stay on HTTPS), one that does not fails its handshake, and a plain HTTP
 // request gets no page.
 func TestTLS(t *testing.T) {
-	certFile, keyFile, pool := selfSigned(t, t.TempDir())
+	certFile, keyFile, pool := webCert(t)
 	addr, stop := runServer(t, web.Config{Listen: "127.0.0.1:0", TLSCertFile: certFile, TLSKeyFile: keyFile,
 		Actions: true, OperatorToken: mustToken(t)}, nil)
 
@@ -149,7 +120,7 @@ func TestTLS(t *testing.T) {
 // TestTLSConfig checks that the certificate and key go together and that
 // unreadable ones fail New, naming the files.
 func TestTLSConfig(t *testing.T) {
-	certFile, keyFile, _ := selfSigned(t, t.TempDir())
+	certFile, keyFile, _ := webCert(t)
 	for _, cfg := range []web.Config{{TLSCertFile: certFile}, {TLSKeyFile: keyFile}} {
 		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "TLSCertFile and TLSKeyFile must be given together") {
 			t.Errorf("Validate(%+v) = %v, want the pair error", cfg, err)
@@ -162,7 +133,7 @@ func TestTLSConfig(t *testing.T) {
 		t.Errorf("New with a missing certificate = %v, want an error naming %s", err, missing)
 	}
 	// The key of another certificate.
-	_, otherKey, _ := selfSigned(t, t.TempDir())
+	_, otherKey, _ := webCert(t)
 	if _, err := web.New(web.Config{TLSCertFile: certFile, TLSKeyFile: otherKey}, db); err == nil {
 		t.Error("New with a key that does not match the certificate succeeded")
 	}

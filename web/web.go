@@ -103,9 +103,20 @@ func (c Config) Validate() error {
 		return errors.New("web: Actions need an OperatorToken")
 	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
 		return errors.New("web: TLSCertFile and TLSKeyFile must be given together")
-	case c.Actions && c.TLSCertFile == "" && c.Listen != "" && !LoopbackAddr(c.Listen):
+	case c.Listen != "":
+		return c.checkClearActions(c.Listen)
+	}
+	return nil
+}
+
+// checkClearActions refuses Actions over plain HTTP on the listen address
+// addr unless it is a loopback one: the operator token would cross the
+// network in clear. Validate checks Config.Listen, Run the listener it
+// really serves on (UseListener's).
+func (c Config) checkClearActions(addr string) error {
+	if c.Actions && c.TLSCertFile == "" && !LoopbackAddr(addr) {
 		return fmt.Errorf("web: Actions on %s, which is not a loopback address, need TLSCertFile and TLSKeyFile: "+
-			"the operator token would cross the network in clear", c.Listen)
+			"the operator token would cross the network in clear", addr)
 	}
 	return nil
 }
@@ -334,11 +345,10 @@ func (s *Server) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if s.cfg.Actions && s.tls == nil && !loopbackListener(addr) {
+	if err := s.cfg.checkClearActions(addr.String()); err != nil {
 		_ = s.listener.Close()
 		s.Close()
-		return fmt.Errorf("web: refusing actions without TLS on %s, which is not a loopback address: "+
-			"the operator token would cross the network in clear", addr)
+		return err
 	}
 	hs := &http.Server{
 		Handler:           s.handler,

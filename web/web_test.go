@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"fmt"
+	"html"
 	"io"
 	"log/slog"
 	"net/http"
@@ -184,6 +185,29 @@ func (s *server) get(t *testing.T, path string) string {
 		t.Fatalf("GET %s = %s:\n%s", path, resp.Status, body)
 	}
 	return body
+}
+
+// listedMachine matches a machine of the machine list; its group is the id.
+var listedMachine = regexp.MustCompile(`<a class="machine mono" href="/machines/([0-9a-f-]{36})"`)
+
+// listPages reads the machine list's pages from path on, following each
+// page's rel="next" link, and returns their paths and bodies. More than
+// 10 pages fail the test.
+func (s *server) listPages(t *testing.T, path string) (paths, bodies []string) {
+	t.Helper()
+	next := regexp.MustCompile(`<a rel="next" href="([^"]+)"`)
+	for path != "" {
+		if len(paths) == 10 {
+			t.Fatalf("%s: more than 10 pages", paths[0])
+		}
+		body := s.get(t, path)
+		paths, bodies = append(paths, path), append(bodies, body)
+		path = ""
+		if m := next.FindStringSubmatch(body); m != nil {
+			path = html.UnescapeString(m[1])
+		}
+	}
+	return paths, bodies
 }
 
 // pages are every page of the UI for f.
@@ -472,6 +496,15 @@ func TestActions(t *testing.T) {
 	if err != nil || m.State != bmdb.StateDecommissioning {
 		t.Errorf("after decommission the machine is %v (%v), want Decommissioning", m.State, err)
 	}
+	// No installation on a machine being decommissioned: a conflict that
+	// says why, and nothing stored.
+	good.Set("csrf", s.confirmForm(t, "/machines/"+d+"/install"))
+	if resp, body := post("/machines/"+d+"/install", good); resp.StatusCode != http.StatusConflict || !strings.Contains(body, "decommissioned or being decommissioned") {
+		t.Errorf("install on a machine being decommissioned: POST = %s, want 409 saying so:\n%s", resp.Status, body)
+	}
+	if in, err := f.db.GetInstallation(t.Context(), f.healthy[2]); err != nil || in.RequestGeneration != 0 {
+		t.Errorf("an install refused for decommissioning stored a request: %+v, %v", in, err)
+	}
 
 	// The token never shows: not in a page, not in the log.
 	for _, path := range f.pages() {
@@ -511,8 +544,6 @@ func TestListPaginatesAndFilters(t *testing.T) {
 	db := bmdbtest.New(t)
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "big", Healthy: 70, AwaitingAgent: 30, Stale: 7})
 	s := newServer(t, db.DB, web.Config{PageSize: 25})
-	row := regexp.MustCompile(`<a class="machine mono" href="/machines/([0-9a-f-]{36})"`)
-	next := regexp.MustCompile(`<a rel="next" href="([^"]+)"`)
 	for _, tt := range []struct {
 		query string
 		want  int
@@ -524,13 +555,9 @@ func TestListPaginatesAndFilters(t *testing.T) {
 		{"?provider=other", 0},
 	} {
 		seen := map[string]bool{}
-		path := "/machines" + tt.query
-		for pages := 0; path != ""; pages++ {
-			if pages > 10 {
-				t.Fatalf("%s: more than 10 pages", tt.query)
-			}
-			body := s.get(t, path)
-			for _, m := range row.FindAllStringSubmatch(body, -1) {
+		_, bodies := s.listPages(t, "/machines"+tt.query)
+		for _, body := range bodies {
+			for _, m := range listedMachine.FindAllStringSubmatch(body, -1) {
 				if seen[m[1]] {
 					t.Errorf("%s: machine %s on two pages", tt.query, m[1])
 				}
@@ -538,10 +565,6 @@ func TestListPaginatesAndFilters(t *testing.T) {
 			}
 			if !strings.Contains(body, fmt.Sprintf(`id="machine-count">%d<`, tt.want)) {
 				t.Errorf("%s: page does not say %d machines match", tt.query, tt.want)
-			}
-			path = ""
-			if m := next.FindStringSubmatch(body); m != nil {
-				path = strings.ReplaceAll(m[1], "&amp;", "&")
 			}
 		}
 		if len(seen) != tt.want {
@@ -582,6 +605,15 @@ func TestOverviewCountsAreTheBMDBs(t *testing.T) {
 	for _, want := range []string{`id="quarantined"><span class="n">1</span>`, "closed: reboots allowed", "2 / 13"} {
 		if !strings.Contains(body, want) {
 			t.Errorf("overview lacks %q", want)
+		}
+	}
+	// Every provider's breaker is read: the configured one (alongside the
+	// snapshot) and those that only have machines (after it).
+	breakers := body[strings.Index(body, `id="breakers"`):]
+	for _, p := range []string{"big", "sim", "q", "empty"} {
+		row := regexp.MustCompile(`(?s)<tr data-provider="` + p + `">.*?</tr>`).FindString(breakers)
+		if !strings.Contains(row, "closed: reboots allowed") || !strings.Contains(row, "2 / 13") {
+			t.Errorf("breaker row of %s lacks the breaker:\n%s", p, row)
 		}
 	}
 }
