@@ -205,6 +205,9 @@ func (rc *Recoverer) Run(ctx context.Context) error {
 	defer wg.Wait()
 	defer cancel()
 	wg.Go(func() { rc.recordTimeouts(ctx) })
+	// The breaker's lines held back are logged when the recoverer stops,
+	// as the runner's are.
+	defer rc.breaker.failures.Flush()
 	return rc.runner.Run(ctx)
 }
 
