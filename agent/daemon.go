@@ -387,9 +387,6 @@ func (d *daemon) refuseUnknown(ctx context.Context, ir *agentv1.OSInstallationRe
 	}
 }
 
-// retryPushback returns the jittered wait an Unavailable answer asks for
-// with gRPC's retry pushback, bounded to [minPushback, maxPushback], and
-// whether it asked for one.
 // firstHeartbeatGrace is how long after the daemon starts its heartbeats
 // may be refused as unauthenticated without a warning.
 const firstHeartbeatGrace = time.Minute
@@ -404,6 +401,9 @@ func expectedRefusal(err error, accepted bool, sinceStart time.Duration) bool {
 	return !accepted && sinceStart < firstHeartbeatGrace && connect.CodeOf(err) == connect.CodeUnauthenticated
 }
 
+// retryPushback returns the jittered wait an Unavailable answer asks for
+// with gRPC's retry pushback, bounded to [minPushback, maxPushback], and
+// whether it asked for one.
 func retryPushback(err error) (time.Duration, bool) {
 	var cerr *connect.Error
 	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeUnavailable {

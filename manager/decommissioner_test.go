@@ -35,7 +35,14 @@ var fastLoop = manager.LoopConfig{IdleSleep: 100 * time.Millisecond, Lease: 10 *
 // runDecommissioner runs a decommissioner of p until the test ends.
 func runDecommissioner(t *testing.T, db *bmdbtest.DB, p provider.Provider, reg prometheus.Registerer, backoff bmdb.BackoffPolicy) {
 	t.Helper()
-	d, err := manager.NewDecommissioner(manager.DecommissionerConfig{Loop: fastLoop, Backoff: backoff}, db.DB, p, reg, nil)
+	runDecommissionerWith(t, manager.DecommissionerConfig{Loop: fastLoop, Backoff: backoff}, db, p, reg)
+}
+
+// runDecommissionerWith runs a decommissioner of p configured as cfg until
+// the test ends.
+func runDecommissionerWith(t *testing.T, cfg manager.DecommissionerConfig, db *bmdbtest.DB, p provider.Provider, reg prometheus.Registerer) {
+	t.Helper()
+	d, err := manager.NewDecommissioner(cfg, db.DB, p, reg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,21 +435,9 @@ func TestDecommissionStopsAgentOverSSH(t *testing.T) {
 		}
 
 		reg := prometheus.NewRegistry()
-		d, err := manager.NewDecommissioner(manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
+		runDecommissionerWith(t, manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
 			SSHKey: key, SSHUser: hosts[0].User, AgentDir: filepath.Join(f.agents, "{provider_id}"), Timeout: 20 * time.Second,
-		}}, f.db.DB, f.p, reg, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- d.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("decommissioner: %v", err)
-			}
-		})
+		}}, f.db, f.p, reg)
 		for _, pid := range []string{"reachable", "unreachable"} {
 			requestDecommission(t, f.db, f.machines[pid])
 		}
@@ -522,21 +517,9 @@ func TestAgentDirUnderHome(t *testing.T) {
 			t.Errorf("the agent's takeover was run with %q (%v), want an absolute --state-dir under the home directory", got, err)
 		}
 
-		d, err := manager.NewDecommissioner(manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
+		runDecommissionerWith(t, manager.DecommissionerConfig{Loop: fastLoop, AgentStop: &manager.AgentStopConfig{
 			SSHKey: key, SSHUser: hosts[0].User, AgentDir: f.agentDir, Timeout: 20 * time.Second,
-		}}, f.db.DB, f.p, prometheus.NewRegistry(), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- d.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("decommissioner: %v", err)
-			}
-		})
+		}}, f.db, f.p, prometheus.NewRegistry())
 		requestDecommission(t, f.db, f.machines["m1"])
 		waitDecommissioned(t, f.db, f.machines["m1"])
 		got, err := os.ReadFile(filepath.Join(f.agents, "m1", "stopped"))

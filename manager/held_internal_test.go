@@ -2,6 +2,7 @@ package manager
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -100,5 +101,41 @@ func TestBreakerHeldRebootIsRecordedAsHeld(t *testing.T) {
 	}
 	if l := logs.With("held back"); len(l) == 0 || !strings.Contains(l[0].Attr("cause"), "circuit breaker") {
 		t.Errorf("the held line does not name the breaker: %v", logs.With("held back"))
+	}
+}
+
+// TestBreakerFailuresAreFlushedAtStop: the lines about failed breaker
+// reads that the rate limit held back are logged, with their count, when
+// the recoverer stops, not lost (or logged after it stopped).
+func TestBreakerFailuresAreFlushedAtStop(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	logs := logtest.New()
+	rc, err := NewRecoverer(RecovererConfig{Loop: LoopConfig{Parallelism: 1, IdleSleep: time.Millisecond}},
+		db.DB, rebootCounter{named: named{name: "lab"}}, prometheus.NewRegistry(), logs.Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	reads := make(chan struct{}, 100)
+	rc.breaker.read = func(context.Context) (BreakerState, error) {
+		select {
+		case reads <- struct{}{}:
+		default:
+		}
+		return BreakerState{}, errors.New("database down")
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- rc.Run(ctx) }()
+	for range 3 { // the first read is logged, the next ones held back
+		<-reads
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	l := logs.With("checking the circuit breaker")
+	if len(l) != 2 || l[1].Attr("repeated") == "" {
+		t.Errorf("lines about failed breaker reads when Run returned: %+v, want the first and one with the count held back", l)
 	}
 }

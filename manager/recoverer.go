@@ -197,9 +197,17 @@ func (rc *Recoverer) candidates() bmdb.Candidates {
 // timeouts in the BMDB (bmdb.RecordSilenceTimeouts), retrying meanwhile
 // until that succeeds, so that every surface judges Silent as it does.
 func (rc *Recoverer) Run(ctx context.Context) error {
+	// The recording stops with the runner, which may return before ctx
+	// ends (an error of its own): Run must not then wait on a retry loop
+	// that only ctx would end.
+	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	defer cancel()
 	wg.Go(func() { rc.recordTimeouts(ctx) })
+	// The breaker's lines held back are logged when the recoverer stops,
+	// as the runner's are.
+	defer rc.breaker.failures.Flush()
 	return rc.runner.Run(ctx)
 }
 
@@ -223,11 +231,7 @@ func (rc *Recoverer) recordTimeouts(ctx context.Context) {
 			return
 		}
 		rc.log.WarnContext(ctx, "recording the heartbeat timeouts in the BMDB; retrying", "err", err)
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(recordTimeoutsRetry):
-		}
+		sleep(ctx, recordTimeoutsRetry)
 	}
 }
 

@@ -38,6 +38,10 @@ type state struct {
 	msg   string
 	attrs []any
 	timer *time.Timer // reports held occurrences at the end of the window
+	// gen numbers the timers: one that fired as its window was ended by
+	// other means (a line let through, Flush) finds a newer number, or
+	// none, and reports nothing, rather than the next window's count.
+	gen uint64
 }
 
 // New returns a Logger that writes to log, one line per key per interval
@@ -67,7 +71,7 @@ func (l *Logger) Log(ctx context.Context, level slog.Level, key, msg string, att
 	if st.last.IsZero() || now.Sub(st.last) >= l.interval {
 		// The window ended: this line gets through, and reports what the
 		// window held back if its timer has not yet (it fires at the same
-		// instant, and finds nothing left to report).
+		// instant, and finds its window ended).
 		held := st.held
 		st.last, st.held, st.attrs = now, 0, nil
 		if st.timer != nil {
@@ -84,7 +88,9 @@ func (l *Logger) Log(ctx context.Context, level slog.Level, key, msg string, att
 	st.held++
 	st.level, st.msg, st.attrs = level, msg, attrs
 	if st.timer == nil {
-		st.timer = time.AfterFunc(st.last.Add(l.interval).Sub(now), func() { l.report(key) })
+		st.gen++
+		gen := st.gen
+		st.timer = time.AfterFunc(st.last.Add(l.interval).Sub(now), func() { l.report(key, gen) })
 	}
 	l.mu.Unlock()
 }
@@ -100,10 +106,16 @@ func (l *Logger) Error(ctx context.Context, msg string, attrs ...any) {
 }
 
 // report logs the occurrences of key held back, if any, and starts a new
-// window.
-func (l *Logger) report(key string) {
+// window. gen is the number of the timer that calls it, 0 for Flush.
+func (l *Logger) report(key string, gen uint64) {
 	l.mu.Lock()
 	st := l.keys[key]
+	if gen != 0 && (st.timer == nil || st.gen != gen) {
+		// The window this timer was to end ended already (it fired as a
+		// line got through); what is held now is the next window's.
+		l.mu.Unlock()
+		return
+	}
 	st.timer = nil
 	if st.held == 0 {
 		l.mu.Unlock()
@@ -131,6 +143,6 @@ func (l *Logger) Flush() {
 	l.mu.Unlock()
 	slices.Sort(keys)
 	for _, k := range keys {
-		l.report(k)
+		l.report(k, 0)
 	}
 }

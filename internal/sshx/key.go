@@ -18,7 +18,7 @@ import (
 // or PKCS#1), or creates an ed25519 key there in OpenSSH's format with mode
 // 0600 if the file does not exist, so that OpenSSH's own tools read it
 // (ssh-keygen -y -f path). Either way it makes sure path+".pub" holds the
-// key's authorized_keys line (AuthorizedKey), writing it when it is missing
+// key's authorized_keys line (authorizedKey), writing it when it is missing
 // or names another key: a key created by an older Shepherd, in PKCS#8, gets
 // its .pub on the first load.
 func LoadOrCreateKey(path string) (ssh.Signer, error) {
@@ -48,7 +48,7 @@ func loadOrCreate(path string) (ssh.Signer, error) {
 	if err != nil {
 		return nil, err
 	}
-	block, err := ssh.MarshalPrivateKey(priv, KeyComment())
+	block, err := ssh.MarshalPrivateKey(priv, keyComment())
 	if err != nil {
 		return nil, fmt.Errorf("encoding SSH key %s: %w", path, err)
 	}
@@ -69,10 +69,10 @@ func loadOrCreate(path string) (ssh.Signer, error) {
 	return ssh.NewSignerFromKey(priv)
 }
 
-// KeyComment is the comment of the keys Shepherd creates and of their
+// keyComment is the comment of the keys Shepherd creates and of their
 // authorized_keys lines: shepherd@ and the host name, so that an operator
 // reading a machine's authorized_keys sees whose key it is.
-func KeyComment() string {
+func keyComment() string {
 	h, err := os.Hostname()
 	if err != nil || h == "" {
 		return "shepherd"
@@ -80,10 +80,10 @@ func KeyComment() string {
 	return "shepherd@" + h
 }
 
-// AuthorizedKey returns pub's line for an authorized_keys file, with
-// KeyComment as its comment, ending in a newline.
-func AuthorizedKey(pub ssh.PublicKey) string {
-	return strings.TrimSuffix(string(ssh.MarshalAuthorizedKey(pub)), "\n") + " " + KeyComment() + "\n"
+// authorizedKey returns pub's line for an authorized_keys file, with
+// keyComment as its comment, ending in a newline.
+func authorizedKey(pub ssh.PublicKey) string {
+	return strings.TrimSuffix(string(ssh.MarshalAuthorizedKey(pub)), "\n") + " " + keyComment() + "\n"
 }
 
 // ensurePublicKey writes pub's authorized_keys line to path unless path
@@ -102,7 +102,7 @@ func ensurePublicKey(path string, pub ssh.PublicKey) error {
 		return fmt.Errorf("writing SSH public key %s: %w", path, err)
 	}
 	defer os.Remove(tmp.Name()) // after the rename, there is nothing to remove
-	if _, err := tmp.WriteString(AuthorizedKey(pub)); err != nil {
+	if _, err := tmp.WriteString(authorizedKey(pub)); err != nil {
 		tmp.Close()
 		return fmt.Errorf("writing SSH public key %s: %w", path, err)
 	}

@@ -106,11 +106,11 @@ func TestCreatedKeyIsOpenSSHs(t *testing.T) {
 	if got, want := keyPart(string(out)), keyPart(string(pub)); got != want || want == "" {
 		t.Errorf("ssh-keygen reads the key as %q, the .pub says %q", got, want)
 	}
-	if string(pub) != AuthorizedKey(signer.PublicKey()) {
-		t.Errorf(".pub is %q, want %q", pub, AuthorizedKey(signer.PublicKey()))
+	if string(pub) != authorizedKey(signer.PublicKey()) {
+		t.Errorf(".pub is %q, want %q", pub, authorizedKey(signer.PublicKey()))
 	}
-	if !strings.HasSuffix(strings.TrimSpace(string(pub)), " "+KeyComment()) || !strings.HasPrefix(KeyComment(), "shepherd") {
-		t.Errorf(".pub %q does not end in the comment %q", pub, KeyComment())
+	if !strings.HasSuffix(strings.TrimSpace(string(pub)), " "+keyComment()) || !strings.HasPrefix(keyComment(), "shepherd") {
+		t.Errorf(".pub %q does not end in the comment %q", pub, keyComment())
 	}
 	if fi, err := os.Stat(path + ".pub"); err != nil || fi.Mode() != 0o644 {
 		t.Errorf(".pub mode %v (%v), want 0644", fi.Mode(), err)
@@ -154,8 +154,8 @@ func TestOldKeyGetsItsPub(t *testing.T) {
 	if data, _ := os.ReadFile(path); !bytes.Equal(data, old) {
 		t.Error("the old key file was rewritten")
 	}
-	if pub, err := os.ReadFile(path + ".pub"); err != nil || string(pub) != AuthorizedKey(want) {
-		t.Errorf(".pub = %q, %v; want %q", pub, err, AuthorizedKey(want))
+	if pub, err := os.ReadFile(path + ".pub"); err != nil || string(pub) != authorizedKey(want) {
+		t.Errorf(".pub = %q, %v; want %q", pub, err, authorizedKey(want))
 	}
 
 	other := sshtestKey(t)
@@ -165,7 +165,7 @@ func TestOldKeyGetsItsPub(t *testing.T) {
 	if _, err := LoadOrCreateKey(path); err != nil {
 		t.Fatal(err)
 	}
-	if pub, _ := os.ReadFile(path + ".pub"); string(pub) != AuthorizedKey(want) {
+	if pub, _ := os.ReadFile(path + ".pub"); string(pub) != authorizedKey(want) {
 		t.Errorf("a .pub of another key was kept: %q", pub)
 	}
 	mine := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(want))) + " my own comment\n"
