@@ -407,11 +407,9 @@ func (r *Runner) endOnce(ctx context.Context, w *bmdb.Work, log *slog.Logger, e 
 		e.kind, e.cause = endCancel, fmt.Errorf("recording the failure was refused (%v): %w", err, e.cause)
 		fallthrough
 	case endCancel:
-		cause := "canceled"
-		if e.cause != nil {
-			cause = e.cause.Error()
-		}
-		err := w.CancelWithCause(ctx, cause)
+		// Every cancel says why (stopping, a lost session, retry later, a
+		// refused failure): history names it.
+		err := w.CancelWithCause(ctx, e.cause.Error())
 		if err == nil {
 			r.metrics.claims.WithLabelValues("canceled").Inc()
 		}
