@@ -255,8 +255,7 @@ func (f *Fleet) addAgentLocked(a *daemon) {
 	s.agent = a
 	if s.interrupted {
 		s.interrupted = false
-		a.report = install.ErrorReport(s.installed, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
-			"(killed, or the machine restarted); the target may be partly written", s.installed))
+		a.report = install.InterruptedReport(s.installed)
 	}
 	f.stats.AgentsRunning++
 	f.metrics.agents.Set(float64(f.stats.AgentsRunning))
