@@ -54,19 +54,21 @@ type installation struct {
 func (f *Fleet) runInstall(ctx context.Context, a *daemon, in *installation, ir *agentv1.OSInstallationRequest) {
 	defer f.installs.Done()
 	defer in.cancel()
-	var report *agentv1.OSInstallationReport
 	select {
 	case f.installSlots <- struct{}{}:
-		report = f.install(ctx, a.slot, ir)
-		<-f.installSlots
 	case <-ctx.Done():
-		report = install.ErrorReport(in.generation, fmt.Sprintf("installation cancelled before it started: %v", context.Cause(ctx)))
+		return // the agent stopped or the fleet stops: nobody is left to report
 	}
+	report := f.install(ctx, a.slot, ir)
+	<-f.installSlots
 	ok := report.GetSuccess() != nil
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if a.inst != in {
-		return // the agent stopped: nobody is left to report
+	if a.inst != in || ctx.Err() != nil {
+		// The agent stopped (which cancels ctx under f.mu), or the fleet
+		// stops and is about to stop it: nobody is left to report, and an
+		// interrupted installation is not counted.
+		return
 	}
 	if ok {
 		f.stats.Installations++
