@@ -140,26 +140,6 @@ func (f *Fleet) diskDir(i int32) (root, dir string, err error) {
 	return root, dir, nil
 }
 
-// DiskPath returns the file that is machine id's simulated block device
-// dev (such as "nvme0n1"), and whether an installation created it.
-func (f *Fleet) DiskPath(id, dev string) (string, bool) {
-	i, ok := f.index(id)
-	if !ok || !slices.Contains(simDisks, dev) {
-		return "", false
-	}
-	f.mu.Lock()
-	root := f.disks
-	f.mu.Unlock()
-	if root == "" {
-		return "", false
-	}
-	p := filepath.Join(root, f.id(i), dev)
-	if _, err := os.Stat(p); err != nil {
-		return "", false
-	}
-	return p, true
-}
-
 // wipeDisks removes machine i's simulated disks, as a device given back
 // to the provider is wiped. f.mu must not be held.
 func (f *Fleet) wipeDisks(i int32) {
