@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -223,5 +224,85 @@ func TestInstallInterrupted(t *testing.T) {
 	}
 	if st := f.Stats(); st.Installations != 0 {
 		t.Errorf("Stats().Installations = %d, want 0", st.Installations)
+	}
+}
+
+// TestInstallConcurrency checks that Config.InstallConcurrency bounds the
+// installations that run at once: with 1, a second machine's installation
+// waits, through several heartbeats of its agent, until the first one is
+// done, and then runs.
+func TestInstallConcurrency(t *testing.T) {
+	t.Parallel()
+	image := testImage()
+	sum := sha256.Sum256(image)
+	// The image server counts the downloads it serves at once, and holds
+	// each until the test releases them all.
+	var mu sync.Mutex
+	inflight, most := 0, 0
+	count := func(d int) (now, highest int) {
+		mu.Lock()
+		defer mu.Unlock()
+		inflight += d
+		most = max(most, inflight)
+		return inflight, most
+	}
+	requested := make(chan struct{}, 1)
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		count(1)
+		defer count(-1)
+		select {
+		case requested <- struct{}{}:
+		default:
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+			return
+		}
+		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
+	}))
+	t.Cleanup(srv.Close)
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(releaseAll) // before srv.Close, which waits for the handlers
+
+	e := newEnv(t, 100*time.Millisecond)
+	f := startFleet(t, sim.Config{Machines: 2, DiskDir: t.TempDir(), InstallConcurrency: 1, RebootLatency: time.Hour})
+	ids := []string{slotID(1), slotID(2)}
+	machines := make([]uuid.UUID, len(ids))
+	gens := make([]int64, len(ids))
+	for n, id := range ids {
+		create(t, f, id)
+		machines[n] = e.addMachine(t, f, id)
+		e.takeover(t, f, id, machines[n])
+		gens[n] = e.requestInstall(t, machines[n], &agentv1.OSInstallationRequest{
+			ImageUrl: srv.URL + "/os.img", ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme0n1"})
+	}
+	select {
+	case <-requested:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no agent started downloading the image within 30s")
+	}
+	// The second answer after now carries the request to each agent (the
+	// first may have been on its way before the request was stored); the
+	// third leaves time for a download it started to reach the server.
+	since := time.Now()
+	for _, id := range ids {
+		last := since
+		for range 3 {
+			last = waitHeartbeat(t, f, id, last, id+" heartbeats")
+		}
+	}
+	if n, _ := count(0); n != 1 {
+		t.Errorf("%d downloads at once, want 1 (InstallConcurrency 1)", n)
+	}
+	releaseAll()
+	for n := range ids {
+		if in := e.waitReport(t, machines[n], gens[n], ids[n]+"'s installation is reported"); !in.Installed() {
+			t.Errorf("%s: installation %+v, want installed", ids[n], in.Report)
+		}
+	}
+	if _, m := count(0); m != 1 {
+		t.Errorf("at most %d downloads at once, want 1", m)
 	}
 }
