@@ -90,20 +90,7 @@ func TestInstallRealCode(t *testing.T) {
 
 	e := newEnv(t, 100*time.Millisecond)
 	f := newFleet(t, sim.Config{Machines: 4, DiskDir: diskDir, RebootLatency: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	stopped := false
-	stop := func() {
-		if !stopped {
-			stopped = true
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Fleet.Run: %v", err)
-			}
-		}
-	}
-	t.Cleanup(stop)
+	stop := run(t, f)
 
 	bad := strings.Repeat("ab", 32)
 	cases := []struct {
