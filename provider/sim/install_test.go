@@ -36,6 +36,62 @@ func imageServer(t *testing.T, image []byte) *httptest.Server {
 	return srv
 }
 
+// heldImages is an image server that holds every request until release
+// is called (or the client gives up), then serves the image.
+type heldImages struct {
+	url       string        // of the image
+	requested chan struct{} // receives when a request arrives, if none is pending
+	release   func()
+
+	mu         sync.Mutex
+	held, most int // requests held now, and at most
+}
+
+func newHeldImages(t *testing.T, image []byte) *heldImages {
+	t.Helper()
+	h := &heldImages{requested: make(chan struct{}, 1)}
+	released := make(chan struct{})
+	h.release = sync.OnceFunc(func() { close(released) })
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.count(1)
+		defer h.count(-1)
+		select {
+		case h.requested <- struct{}{}:
+		default:
+		}
+		select {
+		case <-released:
+		case <-r.Context().Done():
+			return
+		}
+		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(h.release) // before srv.Close, which waits for the handlers
+	h.url = srv.URL + "/os.img"
+	return h
+}
+
+// count adds d to the requests held and returns how many are held now and
+// at most.
+func (h *heldImages) count(d int) (now, most int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.held += d
+	h.most = max(h.most, h.held)
+	return h.held, h.most
+}
+
+// waitRequest waits for a request to arrive.
+func (h *heldImages) waitRequest(t *testing.T) {
+	t.Helper()
+	select {
+	case <-h.requested:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no agent started downloading the image within 30s")
+	}
+}
+
 // testImage is a small image whose bytes differ at every offset that
 // matters: a copy cut short or shifted would not match.
 func testImage() []byte {
@@ -169,24 +225,7 @@ func TestInstallInterrupted(t *testing.T) {
 	t.Parallel()
 	image := testImage()
 	sum := sha256.Sum256(image)
-	// The image server tells when the download starts and holds it
-	// until the test ends (or the client gives up).
-	requested := make(chan struct{}, 1)
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		select {
-		case requested <- struct{}{}:
-		default:
-		}
-		select {
-		case <-release:
-		case <-r.Context().Done():
-			return
-		}
-		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
-	}))
-	t.Cleanup(srv.Close)
-	t.Cleanup(func() { close(release) }) // before srv.Close, which waits for the handler
+	images := newHeldImages(t, image)
 
 	e := newEnv(t, 100*time.Millisecond)
 	f := startFleet(t, sim.Config{Machines: 1, DiskDir: t.TempDir()})
@@ -195,12 +234,8 @@ func TestInstallInterrupted(t *testing.T) {
 	machine := e.addMachine(t, f, id)
 	e.takeover(t, f, id, machine)
 	gen := e.requestInstall(t, machine, &agentv1.OSInstallationRequest{
-		ImageUrl: srv.URL + "/os.img", ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme1n1"})
-	select {
-	case <-requested:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the agent did not start downloading the image within 30s")
-	}
+		ImageUrl: images.url, ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme1n1"})
+	images.waitRequest(t)
 	if err := f.RebootMachine(t.Context(), id); err != nil {
 		t.Fatal(err)
 	}
@@ -222,36 +257,7 @@ func TestInstallConcurrency(t *testing.T) {
 	t.Parallel()
 	image := testImage()
 	sum := sha256.Sum256(image)
-	// The image server counts the downloads it serves at once, and holds
-	// each until the test releases them all.
-	var mu sync.Mutex
-	inflight, most := 0, 0
-	count := func(d int) (now, highest int) {
-		mu.Lock()
-		defer mu.Unlock()
-		inflight += d
-		most = max(most, inflight)
-		return inflight, most
-	}
-	requested := make(chan struct{}, 1)
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		count(1)
-		defer count(-1)
-		select {
-		case requested <- struct{}{}:
-		default:
-		}
-		select {
-		case <-release:
-		case <-r.Context().Done():
-			return
-		}
-		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
-	}))
-	t.Cleanup(srv.Close)
-	releaseAll := sync.OnceFunc(func() { close(release) })
-	t.Cleanup(releaseAll) // before srv.Close, which waits for the handlers
+	images := newHeldImages(t, image)
 
 	e := newEnv(t, 100*time.Millisecond)
 	f := startFleet(t, sim.Config{Machines: 2, DiskDir: t.TempDir(), InstallConcurrency: 1, RebootLatency: time.Hour})
@@ -263,13 +269,9 @@ func TestInstallConcurrency(t *testing.T) {
 		machines[n] = e.addMachine(t, f, id)
 		e.takeover(t, f, id, machines[n])
 		gens[n] = e.requestInstall(t, machines[n], &agentv1.OSInstallationRequest{
-			ImageUrl: srv.URL + "/os.img", ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme0n1"})
+			ImageUrl: images.url, ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme0n1"})
 	}
-	select {
-	case <-requested:
-	case <-time.After(30 * time.Second):
-		t.Fatal("no agent started downloading the image within 30s")
-	}
+	images.waitRequest(t)
 	// The second answer after now carries the request to each agent (the
 	// first may have been on its way before the request was stored); the
 	// third leaves time for a download it started to reach the server.
@@ -280,16 +282,16 @@ func TestInstallConcurrency(t *testing.T) {
 			last = waitHeartbeat(t, f, id, last, id+" heartbeats")
 		}
 	}
-	if n, _ := count(0); n != 1 {
+	if n, _ := images.count(0); n != 1 {
 		t.Errorf("%d downloads at once, want 1 (InstallConcurrency 1)", n)
 	}
-	releaseAll()
+	images.release()
 	for n := range ids {
 		if in := e.waitReport(t, machines[n], gens[n], ids[n]+"'s installation is reported"); !in.Installed() {
 			t.Errorf("%s: installation %+v, want installed", ids[n], in.Report)
 		}
 	}
-	if _, m := count(0); m != 1 {
+	if _, m := images.count(0); m != 1 {
 		t.Errorf("at most %d downloads at once, want 1", m)
 	}
 }
