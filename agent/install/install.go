@@ -267,6 +267,14 @@ func ErrorReport(generation int64, msg string) *agentv1.OSInstallationReport {
 	}
 }
 
+// InterruptedReport returns the report of installation generation that
+// never finished because the agent running it stopped (it was killed, or
+// the machine restarted), which the machine's next agent sends.
+func InterruptedReport(generation int64) *agentv1.OSInstallationReport {
+	return ErrorReport(generation, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
+		"(killed, or the machine restarted); the target may be partly written", generation))
+}
+
 // install does Install's work and returns its first error.
 func install(ctx context.Context, cfg Config, req *agentv1.OSInstallationRequest, logger *slog.Logger) error {
 	if err := cfg.Validate(); err != nil {

@@ -251,12 +251,10 @@ func (f *Fleet) startAgent(a *daemon, boot uint32) error {
 // addAgentLocked makes a the running agent of its slot and queues its
 // first heartbeat, which is due at once. f.mu must be held.
 func (f *Fleet) addAgentLocked(a *daemon) {
-	s := &f.slots[a.slot]
-	s.agent = a
-	if s.interrupted {
-		s.interrupted = false
-		a.report = install.ErrorReport(s.installed, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
-			"(killed, or the machine restarted); the target may be partly written", s.installed))
+	f.slots[a.slot].agent = a
+	if r := f.kept[a.slot]; r != nil {
+		delete(f.kept, a.slot)
+		a.report = r
 	}
 	f.stats.AgentsRunning++
 	f.metrics.agents.Set(float64(f.stats.AgentsRunning))
@@ -269,14 +267,21 @@ func (f *Fleet) addAgentLocked(a *daemon) {
 func (f *Fleet) stopAgentLocked(a *daemon) *http.Client {
 	a.stopped = true
 	f.queue.remove(a)
-	if a.inst != nil {
-		// The system the agent ran on ended, and its installation with
-		// it; the goroutine sees its context cancelled and ends. The
-		// machine's next agent reports it failed, as the real agent
-		// does from its state directory.
+	// What the real agent keeps in its state directory goes to the
+	// machine's next agent, which sends it at once: for an installation
+	// that had not finished (in simulated time: its InstallLatency had not
+	// passed), a report that it was interrupted; else a report the server
+	// had not acknowledged yet. (The reboot an installation asked for is
+	// not carried over: the machine just restarted anyway.)
+	switch {
+	case a.inst != nil:
+		// The installation ends with the system the agent ran on; the
+		// goroutine sees its context cancelled and ends.
 		a.inst.cancel()
+		f.kept[a.slot] = install.InterruptedReport(a.inst.generation)
 		a.inst = nil
-		f.slots[a.slot].interrupted = true
+	case a.report != nil:
+		f.kept[a.slot] = a.report
 	}
 	if s := &f.slots[a.slot]; s.agent == a {
 		s.agent = nil

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -582,6 +583,73 @@ func TestReportsResent(t *testing.T) {
 	}
 	if hw != 1 {
 		t.Errorf("%d HeartbeatAcked calls said the hardware was recorded, want 1", hw)
+	}
+	if st := f.Stats(); st.Installations != 1 {
+		t.Errorf("Stats().Installations = %d, want 1", st.Installations)
+	}
+}
+
+// TestReportKeptAcrossRestart checks that an installation report the
+// server has not acknowledged when the machine restarts goes with the first
+// heartbeat of the machine's next agent, as the real agent resends it from
+// its state directory.
+func TestReportKeptAcrossRestart(t *testing.T) {
+	t.Parallel()
+	image := testImage()
+	sum := sha256.Sum256(image)
+	srv := imageServer(t, image)
+	var ack atomic.Bool // whether installation reports are acknowledged
+	cb := newCallback(t, func(n int, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+		resp := okAnswer(req)
+		if n == 0 {
+			resp.InstallationRequest = &agentv1.OSInstallationRequest{
+				Generation: 1, ImageUrl: srv.URL + "/os.img", TargetDevice: "/dev/nvme0n1",
+				ImageSha256: hex.EncodeToString(sum[:]),
+			}
+		}
+		if !ack.Load() {
+			resp.InstallationReportRecorded = 0
+		}
+		return resp, nil
+	})
+	f := startFleet(t, sim.Config{Machines: 1, DiskDir: t.TempDir()})
+	id := slotID(1)
+	if err := f.Provision(id); err != nil {
+		t.Fatal(err)
+	}
+	machine := newMachineID()
+	pipeTakeover(t, f, id, cb, machine)
+	sent := 0 // heartbeats received once the first agent sent the report
+	bmdbtest.WaitFor(t, 30*time.Second, "the first agent sends the installation report", func(context.Context) (bool, error) {
+		reqs := cb.got(machine)
+		for _, r := range reqs {
+			if r.req.GetInstallationReport().GetSuccess() != nil {
+				sent = len(reqs)
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err := f.RebootMachine(t.Context(), id); err != nil {
+		t.Fatal(err)
+	}
+	ack.Store(true)
+	pipeTakeover(t, f, id, cb, machine)
+	// An agent's first heartbeat is the only one with the hardware report
+	// (okAnswer records it), and the first agent sent its own before the
+	// installation was requested.
+	var first *agentv1.HeartbeatRequest
+	bmdbtest.WaitFor(t, 30*time.Second, "the next agent's first heartbeat", func(context.Context) (bool, error) {
+		for _, r := range cb.got(machine)[sent:] {
+			if r.req.GetHardwareReport() != nil {
+				first = r.req
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if ir := first.GetInstallationReport(); ir.GetGeneration() != 1 || ir.GetSuccess() == nil {
+		t.Errorf("the next agent's first heartbeat carries installation report %v, want generation 1's success", ir)
 	}
 	if st := f.Stats(); st.Installations != 1 {
 		t.Errorf("Stats().Installations = %d, want 1", st.Installations)

@@ -35,18 +35,21 @@ func newFleet(t *testing.T, cfg sim.Config) *sim.Fleet {
 	return f
 }
 
-// run runs f until the test ends and checks that Run returned nil.
-func run(t *testing.T, f *sim.Fleet) {
+// run runs f until the test ends, or until the returned func is called,
+// which returns once Run did; either checks that Run returned nil.
+func run(t *testing.T, f *sim.Fleet) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
-	t.Cleanup(func() {
+	stop = sync.OnceFunc(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("Fleet.Run: %v", err)
 		}
 	})
+	t.Cleanup(stop)
+	return stop
 }
 
 // startFleet is newFleet and run.

@@ -54,19 +54,21 @@ type installation struct {
 func (f *Fleet) runInstall(ctx context.Context, a *daemon, in *installation, ir *agentv1.OSInstallationRequest) {
 	defer f.installs.Done()
 	defer in.cancel()
-	var report *agentv1.OSInstallationReport
 	select {
 	case f.installSlots <- struct{}{}:
-		report = f.install(ctx, a.slot, ir)
-		<-f.installSlots
 	case <-ctx.Done():
-		report = install.ErrorReport(in.generation, fmt.Sprintf("installation cancelled before it started: %v", context.Cause(ctx)))
+		return // the agent stopped or the fleet stops: nobody is left to report
 	}
+	report := f.install(ctx, a.slot, ir)
+	<-f.installSlots
 	ok := report.GetSuccess() != nil
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if a.inst != in {
-		return // the agent stopped: nobody is left to report
+	if a.inst != in || ctx.Err() != nil {
+		// The agent stopped (which cancels ctx under f.mu), or the fleet
+		// stops and is about to stop it: nobody is left to report, and an
+		// interrupted installation is not counted.
+		return
 	}
 	if ok {
 		f.stats.Installations++
@@ -136,26 +138,6 @@ func (f *Fleet) diskDir(i int32) (root, dir string, err error) {
 		return "", "", fmt.Errorf("creating disk directory: %w", err)
 	}
 	return root, dir, nil
-}
-
-// DiskPath returns the file that is machine id's simulated block device
-// dev (such as "nvme0n1"), and whether an installation created it.
-func (f *Fleet) DiskPath(id, dev string) (string, bool) {
-	i, ok := f.index(id)
-	if !ok || !slices.Contains(simDisks, dev) {
-		return "", false
-	}
-	f.mu.Lock()
-	root := f.disks
-	f.mu.Unlock()
-	if root == "" {
-		return "", false
-	}
-	p := filepath.Join(root, f.id(i), dev)
-	if _, err := os.Stat(p); err != nil {
-		return "", false
-	}
-	return p, true
 }
 
 // wipeDisks removes machine i's simulated disks, as a device given back

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -33,6 +34,62 @@ func imageServer(t *testing.T, image []byte) *httptest.Server {
 	}))
 	t.Cleanup(srv.Close)
 	return srv
+}
+
+// heldImages is an image server that holds every request until release
+// is called (or the client gives up), then serves the image.
+type heldImages struct {
+	url       string        // of the image
+	requested chan struct{} // receives when a request arrives, if none is pending
+	release   func()
+
+	mu         sync.Mutex
+	held, most int // requests held now, and at most
+}
+
+func newHeldImages(t *testing.T, image []byte) *heldImages {
+	t.Helper()
+	h := &heldImages{requested: make(chan struct{}, 1)}
+	released := make(chan struct{})
+	h.release = sync.OnceFunc(func() { close(released) })
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.count(1)
+		defer h.count(-1)
+		select {
+		case h.requested <- struct{}{}:
+		default:
+		}
+		select {
+		case <-released:
+		case <-r.Context().Done():
+			return
+		}
+		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(h.release) // before srv.Close, which waits for the handlers
+	h.url = srv.URL + "/os.img"
+	return h
+}
+
+// count adds d to the requests held and returns how many are held now and
+// at most.
+func (h *heldImages) count(d int) (now, most int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.held += d
+	h.most = max(h.most, h.held)
+	return h.held, h.most
+}
+
+// waitRequest waits for a request to arrive.
+func (h *heldImages) waitRequest(t *testing.T) {
+	t.Helper()
+	select {
+	case <-h.requested:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no agent started downloading the image within 30s")
+	}
 }
 
 // testImage is a small image whose bytes differ at every offset that
@@ -89,20 +146,7 @@ func TestInstallRealCode(t *testing.T) {
 
 	e := newEnv(t, 100*time.Millisecond)
 	f := newFleet(t, sim.Config{Machines: 4, DiskDir: diskDir, RebootLatency: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	stopped := false
-	stop := func() {
-		if !stopped {
-			stopped = true
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Fleet.Run: %v", err)
-			}
-		}
-	}
-	t.Cleanup(stop)
+	stop := run(t, f)
 
 	bad := strings.Repeat("ab", 32)
 	cases := []struct {
@@ -181,24 +225,7 @@ func TestInstallInterrupted(t *testing.T) {
 	t.Parallel()
 	image := testImage()
 	sum := sha256.Sum256(image)
-	// The image server tells when the download starts and holds it
-	// until the test ends (or the client gives up).
-	requested := make(chan struct{}, 1)
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		select {
-		case requested <- struct{}{}:
-		default:
-		}
-		select {
-		case <-release:
-		case <-r.Context().Done():
-			return
-		}
-		http.ServeContent(w, r, "os.img", time.Time{}, bytes.NewReader(image))
-	}))
-	t.Cleanup(srv.Close)
-	t.Cleanup(func() { close(release) }) // before srv.Close, which waits for the handler
+	images := newHeldImages(t, image)
 
 	e := newEnv(t, 100*time.Millisecond)
 	f := startFleet(t, sim.Config{Machines: 1, DiskDir: t.TempDir()})
@@ -207,12 +234,8 @@ func TestInstallInterrupted(t *testing.T) {
 	machine := e.addMachine(t, f, id)
 	e.takeover(t, f, id, machine)
 	gen := e.requestInstall(t, machine, &agentv1.OSInstallationRequest{
-		ImageUrl: srv.URL + "/os.img", ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme1n1"})
-	select {
-	case <-requested:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the agent did not start downloading the image within 30s")
-	}
+		ImageUrl: images.url, ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme1n1"})
+	images.waitRequest(t)
 	if err := f.RebootMachine(t.Context(), id); err != nil {
 		t.Fatal(err)
 	}
@@ -223,5 +246,52 @@ func TestInstallInterrupted(t *testing.T) {
 	}
 	if st := f.Stats(); st.Installations != 0 {
 		t.Errorf("Stats().Installations = %d, want 0", st.Installations)
+	}
+}
+
+// TestInstallConcurrency checks that Config.InstallConcurrency bounds the
+// installations that run at once: with 1, a second machine's installation
+// waits, through several heartbeats of its agent, until the first one is
+// done, and then runs.
+func TestInstallConcurrency(t *testing.T) {
+	t.Parallel()
+	image := testImage()
+	sum := sha256.Sum256(image)
+	images := newHeldImages(t, image)
+
+	e := newEnv(t, 100*time.Millisecond)
+	f := startFleet(t, sim.Config{Machines: 2, DiskDir: t.TempDir(), InstallConcurrency: 1, RebootLatency: time.Hour})
+	ids := []string{slotID(1), slotID(2)}
+	machines := make([]uuid.UUID, len(ids))
+	gens := make([]int64, len(ids))
+	for n, id := range ids {
+		create(t, f, id)
+		machines[n] = e.addMachine(t, f, id)
+		e.takeover(t, f, id, machines[n])
+		gens[n] = e.requestInstall(t, machines[n], &agentv1.OSInstallationRequest{
+			ImageUrl: images.url, ImageSha256: hex.EncodeToString(sum[:]), TargetDevice: "/dev/nvme0n1"})
+	}
+	images.waitRequest(t)
+	// The second answer after now carries the request to each agent (the
+	// first may have been on its way before the request was stored); the
+	// third leaves time for a download it started to reach the server.
+	since := time.Now()
+	for _, id := range ids {
+		last := since
+		for range 3 {
+			last = waitHeartbeat(t, f, id, last, id+" heartbeats")
+		}
+	}
+	if n, _ := images.count(0); n != 1 {
+		t.Errorf("%d downloads at once, want 1 (InstallConcurrency 1)", n)
+	}
+	images.release()
+	for n := range ids {
+		if in := e.waitReport(t, machines[n], gens[n], ids[n]+"'s installation is reported"); !in.Installed() {
+			t.Errorf("%s: installation %+v, want installed", ids[n], in.Report)
+		}
+	}
+	if _, m := images.count(0); m != 1 {
+		t.Errorf("at most %d downloads at once, want 1", m)
 	}
 }

@@ -66,6 +66,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.yaml.in/yaml/v3"
 
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/provider"
 )
 
@@ -234,9 +235,6 @@ type slot struct {
 	// machine started, like the real agent's state file: a generation is
 	// never installed twice, not even by the agent of a later takeover.
 	installed int64
-	// interrupted: the agent running installation `installed` stopped
-	// before it finished; the machine's next agent reports it failed.
-	interrupted bool
 	// boot counts everything that ends the machine's running system
 	// (reboot, reinstall, kill), so a takeover that raced with one does
 	// not start an agent on a system that is gone.
@@ -283,7 +281,11 @@ type Fleet struct {
 	conns map[int32]map[net.Conn]struct{}
 	// holes are the TCP connections ServeSSH accepted for killed machines
 	// and holds without answering, by machine.
-	holes   map[int32]map[net.Conn]struct{}
+	holes map[int32]map[net.Conn]struct{}
+	// kept are the installation reports of machines whose agent stopped
+	// before the server acknowledged them, for the next agent to send, by
+	// machine (see stopAgentLocked); few machines have one at a time.
+	kept    map[int32]*agentv1.OSInstallationReport
 	queue   agentQueue             // agents waiting for their next heartbeat
 	pools   map[string]*sharedPool // shared-key clients by endpoint and CA
 	stats   Stats
@@ -350,6 +352,7 @@ func New(cfg Config) (*Fleet, error) {
 		slots:    make([]slot, cfg.Machines),
 		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5368657068657264)), // "Shepherd"
 		files:    map[int32]*memFS{},
+		kept:     map[int32]*agentv1.OSInstallationReport{},
 		conns:    map[int32]map[net.Conn]struct{}{},
 		holes:    map[int32]map[net.Conn]struct{}{},
 		pools:    map[string]*sharedPool{},
@@ -678,7 +681,8 @@ func (f *Fleet) ReleaseMachine(ctx context.Context, id string) error {
 		s.killed = false
 		f.stats.Killed--
 	}
-	s.rebootUntil, s.installed, s.interrupted = 0, 0, false
+	s.rebootUntil, s.installed = 0, 0
+	delete(f.kept, i)           // a fresh device's agent has nothing to report
 	s.off, s.powerAt = false, 0 // a fresh device is powered on
 	s.reinstalls++
 	f.stats.Releases++

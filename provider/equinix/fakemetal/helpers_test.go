@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+	"google.golang.org/grpc/test/bufconn"
 )
 
 func TestMain(m *testing.M) {
@@ -57,13 +58,7 @@ type env struct {
 // httptest.Server, closed when the test ends.
 func newEnv(t *testing.T, cfg Config) *env {
 	t.Helper()
-	if cfg.Token == "" {
-		cfg.Token = testToken
-	}
-	fake, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
+	fake := newFake(t, cfg)
 	ts := httptest.NewServer(fake)
 	hc := ts.Client()
 	t.Cleanup(ts.Close)
@@ -72,70 +67,20 @@ func newEnv(t *testing.T, cfg Config) *env {
 	return &env{t: t, fake: fake, url: ts.URL, hc: hc}
 }
 
-// pipeListener is a net.Listener of in-memory connections (net.Pipe). Its
-// connections block on channels, which testing/synctest treats as durably
-// blocked, so a fake served over it runs in a bubble on virtual time; a
-// socket would keep the bubble's clock from ever moving.
-type pipeListener struct {
-	conns  chan net.Conn
-	closed chan struct{}
-	once   sync.Once
-}
-
-func newPipeListener() *pipeListener {
-	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
-}
-
-func (l *pipeListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.conns:
-		return c, nil
-	case <-l.closed:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *pipeListener) Close() error {
-	l.once.Do(func() { close(l.closed) })
-	return nil
-}
-
-func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
-
-// dial connects to the listener.
-func (l *pipeListener) dial(ctx context.Context, _, _ string) (net.Conn, error) {
-	client, server := net.Pipe()
-	select {
-	case l.conns <- server:
-		return client, nil
-	case <-l.closed:
-		return nil, net.ErrClosed
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-}
-
-type pipeAddr struct{}
-
-func (pipeAddr) Network() string { return "pipe" }
-func (pipeAddr) String() string  { return "pipe" }
-
-// newPipeEnv is newEnv over in-memory connections, for tests that run in a
-// testing/synctest bubble (call it inside the bubble).
+// newPipeEnv is newEnv over in-memory connections (grpc's bufconn, as
+// the metal package's tests use), for tests that run in a
+// testing/synctest bubble (call it inside the bubble): a socket would keep
+// the bubble's clock from ever moving.
 func newPipeEnv(t *testing.T, cfg Config) *env {
 	t.Helper()
-	if cfg.Token == "" {
-		cfg.Token = testToken
-	}
-	fake, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	l := newPipeListener()
+	fake := newFake(t, cfg)
+	l := bufconn.Listen(1 << 16)
 	srv := &http.Server{Handler: fake}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	hc := &http.Client{Transport: &http.Transport{DialContext: l.dial}}
+	hc := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) { return l.DialContext(ctx) },
+	}}
 	t.Cleanup(func() {
 		fake.Close()
 		hc.CloseIdleConnections()
@@ -147,6 +92,20 @@ func newPipeEnv(t *testing.T, cfg Config) *env {
 		}
 	})
 	return &env{t: t, fake: fake, url: "http://fakemetal.invalid", hc: hc}
+}
+
+// newFake is the fake of newEnv and newPipeEnv: New(cfg), with Token
+// defaulting to testToken.
+func newFake(t *testing.T, cfg Config) *Server {
+	t.Helper()
+	if cfg.Token == "" {
+		cfg.Token = testToken
+	}
+	fake, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	return fake
 }
 
 type reply struct {
