@@ -228,8 +228,7 @@ func (d *daemon) recoverInstallation(ctx context.Context) {
 		_ = removeReport(dir)
 	}
 	if st.started {
-		d.report = install.ErrorReport(st.gen, fmt.Sprintf("installation %d was interrupted: the agent stopped before it finished "+
-			"(killed, or the machine restarted); the target may be partly written", st.gen))
+		d.report = install.InterruptedReport(st.gen)
 		d.log.WarnContext(ctx, "an earlier installation was interrupted; reporting it failed", "generation", st.gen)
 		if err := writeReport(dir, d.report, false); err != nil {
 			d.log.ErrorContext(ctx, "keeping installation report", "err", err)
