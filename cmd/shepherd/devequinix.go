@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io/fs"
 	"net"
 	"net/http"
 	"net/netip"
@@ -16,6 +15,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/shepherd/shepherd/internal/atomicfile"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/provider/equinix"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
@@ -145,11 +145,8 @@ func writeDevEquinixConfig(dir, baseURL, token string, api *devEquinixAPI) error
 		return fmt.Errorf("dev equinix: %w", err)
 	}
 	tokenFile := filepath.Join(dir, "token")
-	// Remove first: WriteFile keeps the mode of a file that exists.
-	if err := os.Remove(tokenFile); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("dev equinix: %w", err)
-	}
-	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
+	// Not os.WriteFile: it would keep the mode of a token file left readable.
+	if err := atomicfile.Write(tokenFile, []byte(token+"\n"), 0o600); err != nil {
 		return fmt.Errorf("dev equinix: writing the API token: %w", err)
 	}
 	configFile := filepath.Join(dir, "equinix.yaml")

@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/shepherd/shepherd/internal/atomicfile"
 	"golang.org/x/crypto/ssh"
 )
 
@@ -93,7 +94,7 @@ func (s *sshdServer) start(ctx context.Context) error {
 			return err
 		}
 		// sshd refuses host keys that others can read.
-		if err := writeFileAtomic(s.keyPath(i), key, 0o600); err != nil {
+		if err := atomicfile.Write(s.keyPath(i), key, 0o600); err != nil {
 			return err
 		}
 	}
@@ -101,7 +102,7 @@ func (s *sshdServer) start(ctx context.Context) error {
 	for _, k := range s.h.authorizedKeys {
 		ak = append(ak, ssh.MarshalAuthorizedKey(k)...)
 	}
-	if err := writeFileAtomic(s.akPath, ak, 0o600); err != nil {
+	if err := atomicfile.Write(s.akPath, ak, 0o600); err != nil {
 		return err
 	}
 	_, err := onFreePort(s.h.Addr, func(addr netip.AddrPort) error {
@@ -242,7 +243,7 @@ LogLevel VERBOSE
 	if s.opts.noPenalties {
 		b.WriteString("# Failed logins in tests must not get 127.0.0.1 blocked.\nPerSourcePenalties no\n")
 	}
-	return writeFileAtomic(s.cfgPath, []byte(b.String()), 0o600)
+	return atomicfile.Write(s.cfgPath, []byte(b.String()), 0o600)
 }
 
 // configArg quotes s as one sshd_config argument. sshd splits arguments at

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/shepherd/shepherd/internal/atomicfile"
 )
 
 // envMachine is the environment variable that marks the commands of a
@@ -399,7 +401,7 @@ func (m *Machine) serveRequest(ctx context.Context, t testing.TB, id string) {
 	if err != nil {
 		result = strings.ReplaceAll(err.Error(), "\n", " ")
 	}
-	if err := writeFileAtomic(filepath.Join(m.ctlDir, "result."+id), []byte(result+"\n"), 0o600); err != nil {
+	if err := atomicfile.Write(filepath.Join(m.ctlDir, "result."+id), []byte(result+"\n"), 0o600); err != nil {
 		t.Errorf("sshtest: answering power request %s of %s: %v", id, m, err)
 	}
 }

@@ -608,32 +608,6 @@ func onFreePort(addr netip.AddrPort, start func(netip.AddrPort) error) (netip.Ad
 // loopback is the address every server listens on.
 var loopback = netip.AddrFrom4([4]byte{127, 0, 0, 1})
 
-// writeFileAtomic writes data to path with mode perm via a temporary file
-// and a rename, so a server reading path never sees a partial file and the
-// mode is exactly perm whatever the umask.
-func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Chmod(perm)
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("writing %s: %w", path, err)
-	}
-	return nil
-}
-
 // logTail returns the last logTailLines lines of the log at path, for error
 // messages.
 func logTail(path string) string {

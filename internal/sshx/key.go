@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/shepherd/shepherd/internal/atomicfile"
 	"golang.org/x/crypto/ssh"
 )
 
@@ -97,24 +98,8 @@ func ensurePublicKey(path string, pub ssh.PublicKey) error {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("reading SSH public key %s: %w", path, err)
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("writing SSH public key %s: %w", path, err)
-	}
-	defer os.Remove(tmp.Name()) // after the rename, there is nothing to remove
-	if _, err := tmp.WriteString(authorizedKey(pub)); err != nil {
-		tmp.Close()
-		return fmt.Errorf("writing SSH public key %s: %w", path, err)
-	}
-	if err := tmp.Chmod(0o644); err != nil {
-		tmp.Close()
-		return fmt.Errorf("writing SSH public key %s: %w", path, err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("writing SSH public key %s: %w", path, err)
-	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return fmt.Errorf("writing SSH public key %s: %w", path, err)
+	if err := atomicfile.Write(path, []byte(authorizedKey(pub)), 0o644); err != nil {
+		return fmt.Errorf("writing SSH public key: %w", err)
 	}
 	return nil
 }
