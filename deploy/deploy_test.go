@@ -9,8 +9,6 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
-	"io"
-	"net/http"
 	"net/http/httptest"
 	"os"
 	"os/exec"
@@ -29,6 +27,7 @@ import (
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 	"github.com/shepherd/shepherd/internal/localport"
+	"github.com/shepherd/shepherd/internal/metricstest"
 	"github.com/shepherd/shepherd/provider/equinix/fakemetal"
 )
 
@@ -588,7 +587,9 @@ func TestQueriesNameServedMetrics(t *testing.T) {
 	bmdbtest.WaitFor(t, 60*time.Second, "every metric the alerts and the dashboard name served", func(ctx context.Context) (bool, error) {
 		s := served{}
 		for _, addr := range []string{staticMetrics, equinixMetrics} {
-			body, err := scrape(ctx, addr)
+			rctx, cancel := context.WithTimeout(ctx, 5*time.Second) // a stuck answer is asked again
+			body, err := metricstest.Get(rctx, addr)
+			cancel()
 			if err != nil {
 				return false, err
 			}
@@ -604,24 +605,6 @@ func TestQueriesNameServedMetrics(t *testing.T) {
 		report = r
 		return len(r) == 0, nil
 	})
-}
-
-func scrape(ctx context.Context, addr string) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET /metrics on %s: %s", addr, resp.Status)
-	}
-	return io.ReadAll(resp.Body)
 }
 
 // freeAddr returns a loopback address whose port was free a moment ago,

@@ -3,9 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +13,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 // promtoolInstall says how to get promtool; scripts/require-promtool runs it.
@@ -109,16 +108,8 @@ func runForMetrics(t *testing.T, components string, want []string) []byte {
 	var body []byte
 	bmdbtest.WaitFor(t, 30*time.Second, "/metrics of --components="+components+" with "+strings.Join(want, ", "), func(ctx context.Context) (bool, error) {
 		cmd.running(t)
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+metricsAddr+"/metrics", nil)
-		if err != nil {
-			return false, err
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return false, err
-		}
-		defer resp.Body.Close()
-		if body, err = io.ReadAll(resp.Body); err != nil {
+		var err error
+		if body, err = metricstest.Get(ctx, metricsAddr); err != nil {
 			return false, err
 		}
 		for _, f := range want {
