@@ -68,11 +68,14 @@
 // # History
 //
 // Every claim and every end of work appends a row to the machine's history:
-// Started, Finished, Failed, Canceled, Expired, Quarantined and Reset, with
-// the session that did it and a cause; operators' requests (an installation,
-// a decommission) are Requested rows. [DB.History] reads it with a
-// [HistoryFilter] (one machine, one process, a time range, a page after an
-// id); [DB.ExportHistory] writes it out as JSON lines.
+// Started, Finished, Failed, Canceled, Held, Expired, Quarantined and Reset,
+// with the session that did it and a cause; operators' requests (an
+// installation, a decommission) are Requested rows, and the heartbeat
+// statement writes the course of an installation (Installing when the
+// agent is handed the request, then Installed or InstallFailed).
+// [DB.History] reads it with a [HistoryFilter] (one machine, one process,
+// a time range, a page after or before an id, oldest or newest first);
+// [DB.ExportHistory] writes it out as JSON lines.
 //
 // # Candidates
 //

@@ -13,15 +13,20 @@ import (
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 )
 
-// exampleDB opens a fresh BMDB for an example; close it with the returned
-// function. A real program calls bmdb.Open with its own URL.
-func exampleDB(ctx context.Context) (*bmdb.DB, func()) {
+// exampleSession opens a fresh BMDB for an example and starts a session
+// of component on it; the returned function closes both. A real program
+// calls bmdb.Open with its own URL (see ExampleOpen).
+func exampleSession(ctx context.Context, component string) (*bmdb.DB, *bmdb.Session, func()) {
 	url, drop := bmdbtest.ExampleDatabase()
 	db, err := bmdb.Open(ctx, bmdb.Config{URL: url})
 	if err != nil {
 		panic(err)
 	}
-	return db, func() { db.Close(); drop() }
+	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: component})
+	if err != nil {
+		panic(err)
+	}
+	return db, s, func() { s.Close(ctx); db.Close(); drop() }
 }
 
 // exampleMachine records a provided machine of provider "example" under s,
@@ -92,13 +97,8 @@ func ExampleOpen() {
 // transaction. The machine then no longer matches the candidate query.
 func ExampleSession_Work() {
 	ctx := context.Background()
-	db, done := exampleDB(ctx)
+	db, s, done := exampleSession(ctx, "initializer")
 	defer done()
-	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "initializer"})
-	if err != nil {
-		panic(err)
-	}
-	defer s.Close(ctx)
 	m := exampleMachine(ctx, s, "m1")
 
 	candidates := bmdb.AgentStartCandidates("example")
@@ -132,13 +132,8 @@ func ExampleSession_Work() {
 // it. Either way, the process leaves it alone meanwhile.
 func ExampleWork_Fail() {
 	ctx := context.Background()
-	db, done := exampleDB(ctx)
+	db, s, done := exampleSession(ctx, "initializer")
 	defer done()
-	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "initializer"})
-	if err != nil {
-		panic(err)
-	}
-	defer s.Close(ctx)
 	m := exampleMachine(ctx, s, "m1")
 	candidates := bmdb.AgentStartCandidates("example")
 
@@ -170,13 +165,8 @@ func ExampleWork_Fail() {
 // why in the history, and the machine is a candidate again.
 func ExampleDB_ResetBackoff() {
 	ctx := context.Background()
-	db, done := exampleDB(ctx)
+	db, s, done := exampleSession(ctx, "initializer")
 	defer done()
-	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "initializer"})
-	if err != nil {
-		panic(err)
-	}
-	defer s.Close(ctx)
 	m := exampleMachine(ctx, s, "m1")
 	candidates := bmdb.AgentStartCandidates("example")
 	w, err := s.Work(ctx, bmdb.ProcessAgentStart, candidates)

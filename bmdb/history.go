@@ -57,7 +57,10 @@ func (db *DB) History(ctx context.Context, f HistoryFilter) ([]HistoryEvent, err
 	if limit == 0 {
 		limit = 1000
 	}
-	p := model.HistoryListParams{AfterID: f.AfterID, RowLimit: int32(min(limit, 100_000))}
+	p := model.HistoryListParams{AfterID: f.AfterID, BeforeID: f.BeforeID, RowLimit: int32(min(limit, 100_000))}
+	if p.BeforeID == 0 {
+		p.BeforeID = math.MaxInt64
+	}
 	if f.MachineID != uuid.Nil {
 		p.MachineID = uuid.NullUUID{UUID: f.MachineID, Valid: true}
 	}
@@ -74,14 +77,7 @@ func (db *DB) History(ctx context.Context, f HistoryFilter) ([]HistoryEvent, err
 	var rows []model.WorkHistory
 	var err error
 	if f.NewestFirst || f.BeforeID > 0 {
-		before := f.BeforeID
-		if before == 0 {
-			before = math.MaxInt64
-		}
-		rows, err = db.q.HistoryListNewest(ctx, model.HistoryListNewestParams{
-			AfterID: p.AfterID, BeforeID: before, MachineID: p.MachineID, Process: p.Process,
-			Since: p.Since, Until: p.Until, RowLimit: p.RowLimit,
-		})
+		rows, err = db.q.HistoryListNewest(ctx, model.HistoryListNewestParams(p))
 		if !f.NewestFirst {
 			// The rows just before BeforeID, in the order they were written.
 			slices.Reverse(rows)

@@ -28,6 +28,10 @@ func TestRequestInstallationDecommissioned(t *testing.T) {
 	if !errors.Is(err, bmdb.ErrDecommissioned) || errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("requesting an installation on a machine being decommissioned: %v, want ErrDecommissioned", err)
 	}
+	// Checked before the decommission, which deletes every tag.
+	if in, err := db.GetInstallation(t.Context(), m); err != nil || in.RequestGeneration != 0 {
+		t.Errorf("installation of the machine being decommissioned: %+v, %v; want none requested", in, err)
+	}
 	err = s.Transact(t.Context(), func(ctx context.Context, tx *bmdb.Tx) error {
 		_, err := tx.Decommission(ctx, m, true)
 		return err

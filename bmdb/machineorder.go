@@ -27,12 +27,9 @@ func (c ProviderIDCursor) IsZero() bool { return c == ProviderIDCursor{} }
 // following page, the zero cursor on the last page. Each page scans the
 // fleet once, as a filtered page of ListMachines may.
 func (db *DB) ListMachinesByProviderID(ctx context.Context, f MachineFilter, after ProviderIDCursor, limit int) (page []MachineSummary, next ProviderIDCursor, err error) {
-	p, err := f.params()
+	p, rowLimit, err := f.pageParams(limit)
 	if err != nil {
 		return nil, ProviderIDCursor{}, err
-	}
-	if limit < 1 || limit > MaxMachinePage {
-		return nil, ProviderIDCursor{}, fmt.Errorf("%w: page size must be 1 to %d, got %d", ErrInvalidFilter, MaxMachinePage, limit)
 	}
 	for _, v := range []string{after.Provider, after.ProviderID} {
 		if !safetext.Storable(v) {
@@ -57,18 +54,15 @@ func (db *DB) ListMachinesByProviderID(ctx context.Context, f MachineFilter, aft
 		SearchNet:               p.searchNet,
 		SearchPattern:           p.searchPattern,
 		SearchIpPrefix:          p.searchIPPrefix,
-		RowLimit:                int32(limit + 1), // one more says whether a page follows
+		RowLimit:                rowLimit,
 	})
 	if err != nil {
 		return nil, ProviderIDCursor{}, fmt.Errorf("bmdb: listing machines by provider id: %w", err)
 	}
-	page = make([]MachineSummary, len(rows))
-	for i, r := range rows {
-		page[i] = machineSummary(model.MachineListAllRow(r))
-	}
-	if len(page) > limit {
-		page = page[:limit]
-		last := page[limit-1]
+	page, last := pageOf(rows, limit, func(r model.MachineListByProviderIDRow) MachineSummary {
+		return machineSummary(model.MachineListAllRow(r))
+	})
+	if last.MachineID != uuid.Nil {
 		next = ProviderIDCursor{Provider: last.Provider, ProviderID: last.ProviderID, MachineID: last.MachineID}
 	}
 	return page, next, nil

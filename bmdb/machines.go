@@ -225,15 +225,10 @@ func (db *DB) ListMachines(ctx context.Context, f MachineFilter, after uuid.UUID
 }
 
 func listMachines(ctx context.Context, q *model.Queries, f MachineFilter, after uuid.UUID, limit int) (page []MachineSummary, next uuid.UUID, err error) {
-	p, err := f.params()
+	p, rowLimit, err := f.pageParams(limit)
 	if err != nil {
 		return nil, uuid.Nil, err
 	}
-	if limit < 1 || limit > MaxMachinePage {
-		return nil, uuid.Nil, fmt.Errorf("%w: page size must be 1 to %d, got %d", ErrInvalidFilter, MaxMachinePage, limit)
-	}
-	// One row more than asked says whether another page follows.
-	rowLimit := int32(limit + 1)
 	var rows []model.MachineListAllRow
 	if !p.filtered() {
 		rows, err = q.MachineListAll(ctx, model.MachineListAllParams{
@@ -249,15 +244,37 @@ func listMachines(ctx context.Context, q *model.Queries, f MachineFilter, after 
 	if err != nil {
 		return nil, uuid.Nil, fmt.Errorf("bmdb: listing machines: %w", err)
 	}
+	page, last := pageOf(rows, limit, machineSummary)
+	return page, last.MachineID, nil
+}
+
+// pageParams validates f and the page size limit (1 to MaxMachinePage),
+// and returns f's parameters and the row limit of the page's statement:
+// one row more than asked says whether another page follows.
+func (f MachineFilter) pageParams(limit int) (filterParams, int32, error) {
+	p, err := f.params()
+	if err != nil {
+		return filterParams{}, 0, err
+	}
+	if limit < 1 || limit > MaxMachinePage {
+		return filterParams{}, 0, fmt.Errorf("%w: page size must be 1 to %d, got %d", ErrInvalidFilter, MaxMachinePage, limit)
+	}
+	return p, int32(limit + 1), nil
+}
+
+// pageOf converts the rows of a page statement run with pageParams' row
+// limit: the first limit rows, and the last of them if another page
+// follows (where the next page continues), else the zero MachineSummary.
+func pageOf[R any](rows []R, limit int, summary func(R) MachineSummary) (page []MachineSummary, last MachineSummary) {
 	page = make([]MachineSummary, len(rows))
 	for i, r := range rows {
-		page[i] = machineSummary(r)
+		page[i] = summary(r)
 	}
 	if len(page) > limit {
 		page = page[:limit]
-		next = page[limit-1].MachineID
+		last = page[limit-1]
 	}
-	return page, next, nil
+	return page, last
 }
 
 // windowPerRow is how many machines MachineListWindow may look at per row

@@ -15,17 +15,18 @@ import (
 const historyList = `-- name: HistoryList :many
 SELECT history_id, machine_id, process, event, at, session_id, cause
 FROM work_history
-WHERE history_id > $1
-  AND ($2::uuid IS NULL OR machine_id = $2)
-  AND ($3::text IS NULL OR process = $3)
-  AND ($4::timestamptz IS NULL OR at >= $4)
-  AND ($5::timestamptz IS NULL OR at < $5)
+WHERE history_id > $1 AND history_id < $2
+  AND ($3::uuid IS NULL OR machine_id = $3)
+  AND ($4::text IS NULL OR process = $4)
+  AND ($5::timestamptz IS NULL OR at >= $5)
+  AND ($6::timestamptz IS NULL OR at < $6)
 ORDER BY history_id
-LIMIT $6::integer
+LIMIT $7::integer
 `
 
 type HistoryListParams struct {
 	AfterID   int64
+	BeforeID  int64
 	MachineID uuid.NullUUID
 	Process   *string
 	Since     *time.Time
@@ -34,10 +35,13 @@ type HistoryListParams struct {
 }
 
 // HistoryList pages through history in id order (the order events were
-// written), optionally for one machine, one process and a time range.
+// written): the first rows of the id range (after_id, before_id),
+// optionally for one machine, one process and a time range. It takes the
+// parameters of HistoryListNewest, its reverse.
 func (q *Queries) HistoryList(ctx context.Context, arg HistoryListParams) ([]WorkHistory, error) {
 	rows, err := q.db.Query(ctx, historyList,
 		arg.AfterID,
+		arg.BeforeID,
 		arg.MachineID,
 		arg.Process,
 		arg.Since,

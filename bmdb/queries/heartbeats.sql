@@ -93,18 +93,29 @@ ins_history AS (
     WHERE prev.machine_id IS NULL OR prev.generation <> ins.generation OR prev.success <> ins.success
     ORDER BY ins.machine_id
 ),
-delivered AS (
-    -- Pending requests (as the result below computes them) handed to the
-    -- agent for the first time.
-    UPDATE machine_os_installation_request q
-    SET delivered_generation = q.generation
+pending AS (
+    -- The pending installation requests the result returns: the current
+    -- request, unless a report of its generation exists or arrives now.
+    -- Read once for the result and for delivered, so that a heartbeat
+    -- without a pending request (nearly all of them) looks its machine's
+    -- request up once, as before delivered_generation was tracked.
+    SELECT q.machine_id, q.generation, q.os_installation_request_raw, q.delivered_generation
     FROM authed a
-    WHERE q.machine_id = a.machine_id
-      AND q.delivered_generation IS DISTINCT FROM q.generation
-      AND NOT EXISTS (SELECT 1 FROM ins WHERE ins.machine_id = q.machine_id AND ins.generation = q.generation)
+    JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
+    LEFT JOIN ins ON ins.machine_id = a.machine_id
+    WHERE q.generation IS DISTINCT FROM ins.generation
       AND NOT EXISTS (
           SELECT 1 FROM machine_os_installation_report ir
           WHERE ir.machine_id = q.machine_id AND ir.generation = q.generation)
+),
+delivered AS (
+    -- Pending requests handed to the agent for the first time (not one
+    -- that a request made since this statement's snapshot replaced).
+    UPDATE machine_os_installation_request q
+    SET delivered_generation = pd.generation
+    FROM pending pd
+    WHERE q.machine_id = pd.machine_id AND q.generation = pd.generation
+      AND pd.delivered_generation IS DISTINCT FROM pd.generation
     RETURNING q.machine_id, q.generation, q.requested_by
 ),
 delivered_history AS (
@@ -126,17 +137,13 @@ forgotten_host_key AS (
 SELECT a.ordinal::integer AS ordinal,
        (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
        ins.generation AS installation_recorded,
-       q.generation AS pending_generation,
-       q.os_installation_request_raw AS pending_request
+       pd.generation AS pending_generation,
+       pd.os_installation_request_raw AS pending_request
 FROM authed a
 JOIN beat b ON b.machine_id = a.machine_id
 LEFT JOIN hw ON hw.machine_id = a.machine_id
 LEFT JOIN ins ON ins.machine_id = a.machine_id
-LEFT JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
-    AND q.generation IS DISTINCT FROM ins.generation
-    AND NOT EXISTS (
-        SELECT 1 FROM machine_os_installation_report ir
-        WHERE ir.machine_id = q.machine_id AND ir.generation = q.generation);
+LEFT JOIN pending pd ON pd.machine_id = a.machine_id;
 
 -- name: HeartbeatRetired :many
 -- HeartbeatRetired returns the ordinals of the pairs whose key is the last
