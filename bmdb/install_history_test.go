@@ -86,3 +86,57 @@ func TestInstallationHistory(t *testing.T) {
 		t.Errorf("%d InstallFailed rows, want 1", n)
 	}
 }
+
+// TestInstallationHandedOnceToHeartbeatsAtOnce: two heartbeats of one
+// machine in flight together (an agent's retry while the first is still
+// being recorded) both carry the pending request, and history records its
+// handing over once.
+func TestInstallationHandedOnceToHeartbeatsAtOnce(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	f := fixture{t: t, db: db, s: s}
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	key := newKey(t)
+	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.SetAgentStarted(ctx, m, key) })
+	if _, err := db.RequestInstallation(t.Context(), m, "alice@ops", []byte("gen1")); err != nil {
+		t.Fatal(err)
+	}
+	// The first heartbeat is held at its Installing row, after it marked
+	// the request delivered; the second starts then and waits behind it.
+	gate := bmdbtest.HoldInserts(t, db, "work_history", bmdbtest.BeforeInsert, "NEW.event = 'Installing'")
+	results := make(chan []bmdb.HeartbeatResult, 2)
+	beat := func() {
+		res, err := db.RecordHeartbeats(context.WithoutCancel(t.Context()), []bmdb.Heartbeat{{MachineID: m, AgentKey: key}})
+		if err != nil {
+			t.Errorf("heartbeat: %v", err)
+		}
+		results <- res
+	}
+	go beat()
+	gate.WaitHeld(t)
+	go beat()
+	bmdbtest.WaitFor(t, 60*time.Second, "the second heartbeat waits for the first", func(ctx context.Context) (bool, error) {
+		return bmdbtest.LockWaiters(ctx, db)
+	})
+	gate.Open(t)
+	for range 2 {
+		res := <-results
+		if len(res) != 1 || !res[0].Accepted || res[0].Pending == nil || res[0].Pending.Generation != 1 {
+			t.Errorf("heartbeat result %+v, want accepted with generation 1 pending", res)
+		}
+	}
+	h, err := db.History(t.Context(), bmdb.HistoryFilter{MachineID: m, Process: bmdb.ProcessReinstall})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var installing int
+	for _, e := range h {
+		if e.Event == bmdb.EventInstalling {
+			installing++
+		}
+	}
+	if installing != 1 {
+		t.Errorf("%d Installing rows in history %+v, want 1", installing, h)
+	}
+}

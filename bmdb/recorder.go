@@ -48,6 +48,9 @@ func (r *HeartbeatRecorder) Failed() { r.failed.Store(true) }
 // RecorderCheckIn until ctx ends; then it closes the session, which ends
 // the recorder's say. It returns nil when ctx ends.
 func (r *HeartbeatRecorder) Run(ctx context.Context) error {
+	// The failures the rate limit held back are told when the recorder
+	// stops, not lost with it.
+	defer r.failures.Flush()
 	return r.db.KeepSession(ctx, SessionConfig{Component: "server"}, func(ctx context.Context, s *Session) error {
 		t := time.NewTicker(RecorderCheckIn)
 		defer t.Stop()

@@ -8,6 +8,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/logtest"
 )
 
 // silentNow returns how many machines of provider p recovery would take
@@ -104,5 +105,38 @@ func TestHeartbeatRecorderRun(t *testing.T) {
 	}
 	if c, _ := silentNow(t, db, "p"); c != 1 {
 		t.Errorf("after the recorder stopped cleanly: %d candidates, want 1", c)
+	}
+}
+
+// TestRecorderFailuresAreFlushedAtStop: the check-in failures of an
+// outage that the rate limit held back are logged with their count when
+// the recorder stops, not lost with it.
+func TestRecorderFailuresAreFlushedAtStop(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	// Every registration fails, and counts itself in a sequence (which
+	// the failing statement's rollback does not undo).
+	db.Exec(t, `CREATE SEQUENCE recorder_attempts`)
+	db.Exec(t, `CREATE FUNCTION refuse_recorder() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM nextval('recorder_attempts'); RAISE EXCEPTION 'recorder table refused'; END $$`)
+	db.Exec(t, `CREATE TRIGGER refuse_recorder BEFORE INSERT OR UPDATE ON heartbeat_recorders
+		FOR EACH ROW EXECUTE FUNCTION refuse_recorder()`)
+	logs := logtest.New()
+	r := db.NewHeartbeatRecorder(logs.Logger())
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	bmdbtest.WaitFor(t, 30*time.Second, "three failed registrations", func(ctx context.Context) (bool, error) {
+		var n int64
+		err := db.Pool.QueryRow(ctx, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM recorder_attempts`).Scan(&n)
+		return n >= 3, err
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	l := logs.With("heartbeat recorder check-in failed")
+	if len(l) != 2 || l[1].Attr("repeated") == "" {
+		t.Errorf("lines about failed check-ins when Run returned: %+v, want the first and one with the count held back", l)
 	}
 }

@@ -161,12 +161,16 @@ pending AS (
 ),
 delivered AS (
     -- Pending requests handed to the agent for the first time (not one
-    -- that a request made since this statement's snapshot replaced).
+    -- that a request made since this statement's snapshot replaced). The
+    -- delivered check reads the row being updated, not the snapshot, so
+    -- that of two heartbeats of one machine at once (an agent's retry)
+    -- only the first records the delivery.
     UPDATE machine_os_installation_request q
     SET delivered_generation = pd.generation
     FROM pending pd
     WHERE q.machine_id = pd.machine_id AND q.generation = pd.generation
       AND pd.delivered_generation IS DISTINCT FROM pd.generation
+      AND q.delivered_generation IS DISTINCT FROM q.generation
     RETURNING q.machine_id, q.generation, q.requested_by
 ),
 delivered_history AS (
