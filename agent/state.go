@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/shepherd/shepherd/internal/atomicfile"
+
 	"google.golang.org/protobuf/proto"
 
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
@@ -59,7 +61,7 @@ func writeGeneration(dir string, st generationState) error {
 	if st.started {
 		text += " started"
 	}
-	if err := writeFileDurably(filepath.Join(dir, generationFile), []byte(text+"\n")); err != nil {
+	if err := atomicfile.Write(filepath.Join(dir, generationFile), []byte(text+"\n"), 0o600); err != nil {
 		return fmt.Errorf("recording installation generation %d: %w", st.gen, err)
 	}
 	return nil
@@ -80,7 +82,7 @@ func writeReport(dir string, r *agentv1.OSInstallationReport, reboot bool) error
 	if err != nil {
 		return fmt.Errorf("encoding the report of installation %d: %w", r.GetGeneration(), err)
 	}
-	if err := writeFileDurably(filepath.Join(dir, reportFile), data); err != nil {
+	if err := atomicfile.Write(filepath.Join(dir, reportFile), data, 0o600); err != nil {
 		return fmt.Errorf("keeping the report of installation %d: %w", r.GetGeneration(), err)
 	}
 	return nil
@@ -115,46 +117,5 @@ func removeReport(dir string) error {
 	if err != nil {
 		return fmt.Errorf("removing the acknowledged installation report: %w", err)
 	}
-	return syncDir(dir)
-}
-
-// writeFileDurably replaces path with data so that after a crash path holds
-// either its old content or data, and data once it returns nil.
-func writeFileDurably(path string, data []byte) error {
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
-		return err
-	}
-	return syncDir(filepath.Dir(path))
-}
-
-// syncDir makes the entries of dir (a rename, a removal) durable.
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = d.Sync()
-	if cerr := d.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("syncing directory %s: %w", dir, err)
-	}
-	return nil
+	return atomicfile.SyncDir(dir)
 }

@@ -9,9 +9,11 @@ import (
 )
 
 // Write replaces path with data and mode perm: it writes a temporary file in
-// the same directory, sets its mode, syncs it and renames it over path. Unlike
-// os.WriteFile, an existing file's mode does not survive (a secret written
-// 0600 over a 0644 file is 0600), and a crash leaves the old file whole.
+// the same directory, sets its mode, syncs it, renames it over path and syncs
+// the directory. Unlike os.WriteFile, an existing file's mode does not
+// survive (a secret written 0600 over a 0644 file is 0600), a crash leaves
+// the old file whole, and once Write returns nil the new content survives a
+// crash (the agent's installation state relies on it).
 func Write(path string, data []byte, perm os.FileMode) error {
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
@@ -36,6 +38,25 @@ func Write(path string, data []byte, perm os.FileMode) error {
 	if err != nil {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	if err := SyncDir(filepath.Dir(path)); err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	return nil
+}
+
+// SyncDir makes the entries of dir (a rename, a removal) durable.
+func SyncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("syncing directory %s: %w", dir, err)
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("syncing directory %s: %w", dir, err)
 	}
 	return nil
 }
