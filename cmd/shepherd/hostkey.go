@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -45,9 +44,9 @@ func (c *machineCLI) hostKeyAcceptCommand() *cobra.Command {
 			if !fingerprintRE.MatchString(fingerprint) {
 				return fmt.Errorf("--fingerprint %q is not an SSH key's SHA-256 fingerprint (SHA256: and 43 base64 characters)", fingerprint)
 			}
-			reason = strings.Join(strings.Fields(reason), " ")
-			if len(reason) > maxReason {
-				return fmt.Errorf("--reason is %d bytes, at most %d", len(reason), maxReason)
+			reason, err := cleanReason(reason)
+			if err != nil {
+				return err
 			}
 			db, err := c.open(cmd.Context())
 			if err != nil {

@@ -26,12 +26,12 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 			"Asks for confirmation unless --yes.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			reason = strings.Join(strings.Fields(reason), " ")
+			reason, err := cleanReason(reason)
+			if err != nil {
+				return err
+			}
 			if reason == "" {
 				return errors.New("--reason is required: say why the machine should go")
-			}
-			if len(reason) > maxReason {
-				return fmt.Errorf("--reason is %d bytes, at most %d", len(reason), maxReason)
 			}
 			db, err := c.open(cmd.Context())
 			if err != nil {
@@ -73,5 +73,15 @@ func (c *machineCLI) decommissionCommand() *cobra.Command {
 	return cmd
 }
 
-// maxReason bounds --reason of a decommission: a sentence or two.
+// maxReason bounds an operator's --reason: a sentence or two.
 const maxReason = 1000
+
+// cleanReason returns an operator's --reason on one line with single
+// spaces, or an error if it is longer than maxReason.
+func cleanReason(reason string) (string, error) {
+	reason = strings.Join(strings.Fields(reason), " ")
+	if len(reason) > maxReason {
+		return "", fmt.Errorf("--reason is %d bytes, at most %d", len(reason), maxReason)
+	}
+	return reason, nil
+}

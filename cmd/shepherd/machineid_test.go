@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -120,4 +121,20 @@ func errText(err error) string {
 		return ""
 	}
 	return err.Error()
+}
+
+// TestReasonIsBounded: an operator's --reason longer than maxReason is
+// refused, naming the flag, before anything is opened or changed.
+func TestReasonIsBounded(t *testing.T) {
+	long := strings.Repeat("why ", maxReason/4+1)
+	for _, args := range [][]string{
+		{"machine", "decommission", "m3", "--yes", "--reason", long},
+		{"machine", "host-key", "accept", "m3", "--fingerprint", "SHA256:" + strings.Repeat("A", 43), "--reason", long},
+	} {
+		// No database at this address: the refusal comes first.
+		_, err := run(t, append(args, "--database-url=postgres://nobody@127.0.0.1:1/none")...)
+		if want := fmt.Sprintf("--reason is %d bytes, at most %d", len(strings.TrimSpace(long)), maxReason); errText(err) != want {
+			t.Errorf("%v: %v, want %q", args[:2], err, want)
+		}
+	}
 }
