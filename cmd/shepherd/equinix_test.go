@@ -100,10 +100,16 @@ func TestEquinixCLI(t *testing.T) {
 	if err != nil || !strings.Contains(out, "shepherd-a1") || !strings.Contains(out, "db-1") {
 		t.Fatalf("devices list: %v\n%s", err, out)
 	}
-	for _, line := range strings.Split(out, "\n") {
-		if strings.Contains(line, "db-1") && !strings.Contains(line, "false") || strings.Contains(line, "shepherd-a1") && !strings.Contains(line, "true") {
-			t.Errorf("devices list marks ownership wrongly: %q", line)
+	// Columns ID, HOSTNAME, STATE, OURS, …; matched by column, since a
+	// random UUID can contain a hostname ("…-92db-1b93-…").
+	ours := map[string]string{}
+	for _, line := range strings.Split(out, "\n")[1:] {
+		if f := strings.Fields(line); len(f) >= 4 {
+			ours[f[1]] = f[3]
 		}
+	}
+	if ours["db-1"] != "false" || ours["shepherd-a1"] != "true" {
+		t.Errorf("devices list marks ownership %v, want db-1 false and shepherd-a1 true:\n%s", ours, out)
 	}
 	out, err = cli("", "reservations", "list")
 	if err != nil || !strings.Contains(out, res[0]) || !strings.Contains(out, dev) || !strings.Contains(out, res[1]) {

@@ -270,16 +270,6 @@ func (g *glServer) checkPassword(ctx gssh.Context, password string) bool {
 	return ok
 }
 
-// startMu serialises the command starts of every Gliderlabs server in the
-// process. Their SFTP servers write uploads in this process too, and a child
-// forked while an upload was open for writing holds a copy of that
-// descriptor until it execs; a command that runs the upload meanwhile fails
-// with "Text file busy", which no real sshd causes. exec.Cmd.Start returns
-// only once its child has exec'd (dropping those copies), so with starts
-// serialised no earlier child still holds one when the next command runs.
-// It is process-wide because fork is.
-var startMu sync.Mutex
-
 // handleExec runs a session's command and exits with its status.
 func (g *glServer) handleExec(s gssh.Session) {
 	if !g.enter() {
@@ -327,9 +317,7 @@ func (g *glServer) run(s gssh.Session) int {
 	}
 	defer errR.Close()
 	cmd.Stdout, cmd.Stderr = outW, errW
-	startMu.Lock()
 	err = cmd.Start()
-	startMu.Unlock()
 	outW.Close() // the command has its copies; ours would keep the pipes open
 	errW.Close()
 	if err != nil {
@@ -387,13 +375,9 @@ func (g *glServer) handleSFTP(s gssh.Session) {
 	}
 	defer g.wg.Done()
 	g.log.Printf("sftp session from %s started", s.RemoteAddr())
-	srv, err := sftp.NewServer(s, sftp.WithServerWorkingDirectory(g.h.Dir))
-	if err != nil {
-		g.log.Printf("sftp session from %s: starting server: %v", s.RemoteAddr(), err)
-		_ = s.Exit(1)
-		return
-	}
-	if err := srv.Serve(); err != nil {
+	h := sftp.Handlers{FileGet: sftpFS{}, FilePut: sftpFS{}, FileCmd: sftpFS{}, FileList: sftpFS{}}
+	srv := sftp.NewRequestServer(s, h, sftp.WithStartDirectory(g.h.Dir))
+	if err := srv.Serve(); err != nil && !errors.Is(err, io.EOF) {
 		g.log.Printf("sftp session from %s ended: %v", s.RemoteAddr(), err)
 		return
 	}

@@ -62,6 +62,10 @@ type sshdServer struct {
 	proc    *sshdProc // running sshd, nil when stopped
 }
 
+// homeDir is the HOME of the server's sessions: empty but for what the
+// test puts there.
+func (s *sshdServer) homeDir() string { return filepath.Join(s.h.Dir, "home") }
+
 func newSSHDServer(h *Host, path string, opts sshdOptions) *sshdServer {
 	return &sshdServer{
 		h:       h,
@@ -87,6 +91,9 @@ type sshdProc struct {
 func (s *sshdServer) start(ctx context.Context) error {
 	if s.proc != nil {
 		return errors.New("sshd is already running")
+	}
+	if err := os.MkdirAll(s.homeDir(), 0o700); err != nil {
+		return err
 	}
 	for i := range s.h.HostKeys {
 		key, err := s.h.hostKeyPEM(i)
@@ -237,9 +244,21 @@ MaxStartups 200
 MaxSessions 100
 LogLevel VERBOSE
 `)
-	if s.tag != "" {
-		fmt.Fprintf(&b, "# Marks every process of this machine's sessions (sshtest.Machine).\nSetEnv %s=%s\n", envMachine, s.tag)
+	// The sessions' home is the host's own, so that the startup files of
+	// the machine running the tests (bash reads ~/.bashrc for a command
+	// from sshd; a pyenv there wrote "cannot rehash" to stderr when several
+	// sessions started at once) reach no command. sshd uses only the first
+	// SetEnv line, so every variable is on it.
+	home, err := configArg("HOME=" + s.homeDir())
+	if err != nil {
+		return err
 	}
+	b.WriteString("SetEnv " + home)
+	if s.tag != "" {
+		// Marks every process of this machine's sessions (sshtest.Machine).
+		fmt.Fprintf(&b, " %s=%s", envMachine, s.tag)
+	}
+	b.WriteString("\n")
 	if s.opts.noPenalties {
 		b.WriteString("# Failed logins in tests must not get 127.0.0.1 blocked.\nPerSourcePenalties no\n")
 	}

@@ -13,11 +13,13 @@
 //   - Commands run in the login user's home directory under OpenSSH and in
 //     Host.Dir under Gliderlabs; relative SFTP paths resolve the same way.
 //     Use absolute paths.
-//   - OpenSSH gives commands a minimal environment (PATH, HOME, USER, SSH_*);
-//     Gliderlabs gives them the test process's environment.
-//   - OpenSSH runs commands with the user's login shell. Debian's bash then
-//     reads ~/.bashrc even though it is not interactive, so a slow .bashrc
-//     (pyenv init, say) slows every command; Gliderlabs uses /bin/sh.
+//   - OpenSSH gives commands a minimal environment (PATH, HOME, USER, SSH_*)
+//     whose HOME is the host's own, Host.Dir/home (empty), so the startup
+//     files of the machine running the tests reach no command; Gliderlabs
+//     gives them the test process's environment.
+//   - OpenSSH runs commands with the user's login shell (Debian's bash reads
+//     $HOME/.bashrc even though it is not interactive); Gliderlabs uses
+//     /bin/sh.
 //   - An SFTP rename (SSH_FXP_RENAME) onto an existing file fails under
 //     OpenSSH (it links, then unlinks) but replaces the file under Gliderlabs
 //     (pkg/sftp calls rename(2)). Use the posix-rename@openssh.com extension

@@ -900,10 +900,11 @@ func TestOnFreePortRetriesTakenPorts(t *testing.T) {
 
 // TestRunJustUploadedWhileOthersRun uploads executables over SFTP and runs
 // each at once, as the initializer does with the agent, while other sessions
-// keep starting commands. Under Gliderlabs both happen in the test process:
-// a command forked while an upload's file was open for writing holds a copy
-// of that descriptor until it execs, and running the upload meanwhile fails
-// with "Text file busy" (ETXTBSY), which no real sshd would cause.
+// keep starting commands and the test process itself keeps starting others
+// (as other tests of a package do). Under Gliderlabs all happen in the test
+// process: a child forked while an upload's file was open for writing holds
+// a copy of that descriptor until it execs, and running the upload meanwhile
+// fails with "Text file busy" (ETXTBSY), which no real sshd would cause.
 func TestRunJustUploadedWhileOthersRun(t *testing.T) {
 	t.Parallel()
 	exe, err := os.ReadFile("/bin/true")
@@ -918,7 +919,7 @@ func TestRunJustUploadedWhileOthersRun(t *testing.T) {
 	var others sync.WaitGroup
 	defer others.Wait()
 	defer stop()
-	for range 4 {
+	for range 2 {
 		others.Go(func() {
 			for ctx.Err() == nil {
 				sess, err := c.NewSession()
@@ -929,6 +930,11 @@ func TestRunJustUploadedWhileOthersRun(t *testing.T) {
 				sess.Close()
 			}
 		})
+		others.Go(func() {
+			for ctx.Err() == nil {
+				_ = exec.CommandContext(ctx, "/bin/true").Run()
+			}
+		})
 	}
 	for i := range 300 {
 		path := filepath.Join(h.Dir, fmt.Sprintf("exe-%d", i))
@@ -937,4 +943,29 @@ func TestRunJustUploadedWhileOthersRun(t *testing.T) {
 			t.Fatalf("run %d of a just-uploaded executable exited with status %d: %q", i, status, errOut)
 		}
 	}
+}
+
+// TestSessionsHaveTheHostsOwnHome: a test host's sessions get a home of
+// their own (Host.Dir/home), so the startup files of the machine running
+// the tests (a pyenv in root's ~/.bashrc wrote "cannot rehash" to stderr
+// when sessions started at once) neither reach a command's output nor
+// slow it. The working directory stays the login user's home under
+// OpenSSH, as documented.
+func TestSessionsHaveTheHostsOwnHome(t *testing.T) {
+	t.Parallel()
+	forEachKind(t, func(t *testing.T, kind Kind) {
+		if kind != OpenSSH {
+			return // Gliderlabs runs /bin/sh with the test's environment
+		}
+		key := NewKey(t)
+		h := Start(t, 1, Config{Kind: kind, AuthorizedKeys: []ssh.PublicKey{key.PublicKey()}})[0]
+		c := mustDial(t, h, key)
+		want := filepath.Join(h.Dir, "home")
+		if got := strings.TrimSpace(mustRun(t, c, "echo $HOME")); got != want {
+			t.Errorf("HOME of a session is %q, want the host's own %q", got, want)
+		}
+		if _, err := os.Stat(want); err != nil {
+			t.Errorf("the host's home: %v", err)
+		}
+	})
 }
