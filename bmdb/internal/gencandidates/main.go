@@ -171,8 +171,8 @@ SELECT EXISTS (
 -- the definition's cause expression made of the locked machine (why it is
 -- a candidate; empty without one). The primary key and
 -- work_machine_exclusive keep the work unique even if all that was not
--- enough, and the foreign key to processes checks the exclusive flag the
--- caller passes. It returns the machine's Provided tag as the claim saw
+-- enough, and the work_process_check trigger checks the exclusive flag
+-- the caller passes (migration 00019). It returns the machine's Provided tag as the claim saw
 -- it, which saves the worker a round trip, and the expired count and dead
 -- sessions. No row means nothing to do or a dead session; a row without
 -- claimed_id means the insert lost a race.
