@@ -73,6 +73,22 @@ func (s *simStack) runProvisioner(cfg manager.ProvisionerConfig) error {
 	return nil
 }
 
+// startProvisioner starts the provisioner and returns a function that stops
+// it and waits until it has.
+func (s *simStack) startProvisioner(cfg manager.ProvisionerConfig) (stop func(), err error) {
+	pr, err := manager.NewProvisioner(cfg, s.db, s.fleet, s.reg, nil)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(s.ctx)
+	done := make(chan struct{})
+	s.goRun(func() error {
+		defer close(done)
+		return pr.Run(ctx)
+	})
+	return func() { cancel(); <-done }, nil
+}
+
 // runInitializer starts the initializer, uploading a small stand-in agent:
 // simulated machines do not run what is uploaded, and a real binary would
 // make the figure measure SSH encryption rather than takeovers.
