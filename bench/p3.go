@@ -16,7 +16,7 @@ import (
 const (
 	p3Machines = 100_000
 	// p3Iterations is how often each statement is timed (its p99 is the
-	// 10th slowest run); 19 statements, each followed by its floor, must
+	// 10th slowest run); 23 statements, each followed by its floor, must
 	// leave room in make bench's 10 minutes for the other figures.
 	p3Iterations = 1000
 	p3LimitMs    = 5.0
