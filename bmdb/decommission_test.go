@@ -56,6 +56,27 @@ func TestDecommissionCandidates(t *testing.T) {
 			f.requestDecommission(id)
 			f.backoff(id, bmdb.ProcessDecommission, time.Hour, false)
 		}, false},
+		{"requested, decommission quarantined", "p", func(id uuid.UUID) {
+			f.requestDecommission(id)
+			f.backoff(id, bmdb.ProcessDecommission, time.Hour, true)
+		}, false},
+		{"requested, decommission backoff over", "p", func(id uuid.UUID) {
+			f.requestDecommission(id)
+			f.backoff(id, bmdb.ProcessDecommission, -time.Minute, false)
+		}, true},
+		// The request takes over the hold of a backoff recorded before it
+		// was made (migration 00019).
+		{"backed off, then requested", "p", func(id uuid.UUID) {
+			f.backoff(id, bmdb.ProcessDecommission, time.Hour, false)
+			f.requestDecommission(id)
+		}, false},
+		{"requested, decommission backoff reset", "p", func(id uuid.UUID) {
+			f.requestDecommission(id)
+			f.backoff(id, bmdb.ProcessDecommission, time.Hour, false)
+			if err := db.ResetBackoff(t.Context(), id, bmdb.ProcessDecommission, "test"); err != nil {
+				t.Fatal(err)
+			}
+		}, true},
 		{"requested, recovery quarantine does not exclude", "p", func(id uuid.UUID) {
 			f.requestDecommission(id)
 			f.backoff(id, bmdb.ProcessRecovery, time.Hour, true)

@@ -37,7 +37,7 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 	db := bmdbtest.New(t)
 	const held = 5000
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 60_000, AwaitingAgent: held + 10, Stale: held + 10,
-		AgentStartHeld: held, RecoveryHeld: held})
+		AgentStartHeld: held, RecoveryHeld: held, Decommissioning: held + 10, DecommissionHeld: held})
 	// Quarantines are held too, for good.
 	db.Exec(t, `UPDATE work_backoff SET quarantined_at = now() WHERE machine_id IN (
 		SELECT machine_id FROM work_backoff ORDER BY machine_id LIMIT 500)`)
@@ -49,6 +49,9 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 	}{
 		{bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")},
 		{bmdb.ProcessRecovery, bmdb.RecoveryCandidates("p", 0, 0)},
+		// A provider that refuses to release machines backs off every
+		// decommission (migration 00019).
+		{bmdb.ProcessDecommission, bmdb.DecommissionCandidates("p")},
 	}
 	for _, c := range cases {
 		if n, err := db.CountCandidates(t.Context(), c.process, c.cands); err != nil || n != 10 {
@@ -81,6 +84,9 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 	db.Exec(t, `UPDATE work_backoff SET backoff_until = now() + interval '300 milliseconds'
 		WHERE quarantined_at IS NULL AND machine_id IN (
 			SELECT machine_id FROM work_backoff WHERE process = 'Recovery' AND quarantined_at IS NULL LIMIT 3)`)
+	db.Exec(t, `UPDATE work_backoff SET backoff_until = now() + interval '300 milliseconds'
+		WHERE quarantined_at IS NULL AND machine_id IN (
+			SELECT machine_id FROM work_backoff WHERE process = 'Decommission' AND quarantined_at IS NULL LIMIT 3)`)
 	for _, c := range cases {
 		bmdbtest.WaitFor(t, 10*time.Second, c.cands.String()+": 13 candidates once three holds end", func(ctx context.Context) (bool, error) {
 			n, err := db.CountCandidates(ctx, c.process, c.cands)

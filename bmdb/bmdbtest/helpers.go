@@ -70,6 +70,10 @@ type Fleet struct {
 	// back off for an hour; RecoveryHeld of the Stale ones failed recovery
 	// and back off for an hour.
 	AgentStartHeld, RecoveryHeld int
+	// Decommissioning of the Healthy machines have a decommission request,
+	// made a second apart; DecommissionHeld of them, the oldest requests,
+	// failed decommission and back off for an hour.
+	Decommissioning, DecommissionHeld int
 }
 
 // BuildFleet adds the fleet f with a few set-based statements (adding
@@ -132,6 +136,21 @@ func BuildFleet(ctx context.Context, pool *pgxpool.Pool, f Fleet) error {
 			FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
 			WHERE p.provider = $2 AND h.agent_heartbeat_at < now() - interval '1 hour'
 			  AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request q WHERE q.machine_id = h.machine_id)
+			LIMIT $1`},
+		{f.Decommissioning, `
+			INSERT INTO machine_decommission_request (machine_id, requested_at, requested_by, reason)
+			SELECT h.machine_id, now() - interval '1 day' + interval '1 second' * row_number() OVER (), 'fleet', 'fleet: decommission'
+			FROM machine_agent_heartbeat h JOIN machine_provided p USING (machine_id)
+			WHERE p.provider = $2 AND h.agent_heartbeat_at > now() - interval '1 hour'
+			  AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request q WHERE q.machine_id = h.machine_id)
+			  AND NOT EXISTS (SELECT 1 FROM machine_decommission_request d WHERE d.machine_id = h.machine_id)
+			LIMIT $1`},
+		{f.DecommissionHeld, `
+			INSERT INTO work_backoff (machine_id, process, backoff_until, cause, last_interval_ms, attempts)
+			SELECT d.machine_id, 'Decommission', now() + interval '1 hour', 'fleet: held', 3600000, 5
+			FROM machine_decommission_request d JOIN machine_provided p USING (machine_id)
+			WHERE p.provider = $2
+			ORDER BY d.requested_at
 			LIMIT $1`},
 	}
 	for _, st := range steps {

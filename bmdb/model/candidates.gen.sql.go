@@ -336,10 +336,11 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
+          AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -350,12 +351,6 @@ WITH candidate AS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
         ORDER BY c.since
         LIMIT $4::integer
     ) c
@@ -489,10 +484,11 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
+          AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -503,12 +499,6 @@ WITH candidate AS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
         ORDER BY c.since
         LIMIT 1
     ) c
@@ -1046,10 +1036,11 @@ func (q *Queries) CountAgentStartMatching(ctx context.Context, provider string) 
 const countDecommissionCandidates = `-- name: CountDecommissionCandidates :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
+          AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1059,12 +1050,6 @@ WHERE NOT EXISTS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
 `
 
 type CountDecommissionCandidatesParams struct {
@@ -1083,7 +1068,7 @@ func (q *Queries) CountDecommissionCandidates(ctx context.Context, arg CountDeco
 const countDecommissionMatching = `-- name: CountDecommissionMatching :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
@@ -1232,10 +1217,11 @@ const decommissionMatches = `-- name: DecommissionMatches :one
 SELECT EXISTS (
     SELECT 1
     FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
+          AND GREATEST(d.requested_at, d.held_until) <= now()
     ) c
     WHERE c.machine_id = $2::uuid
 )::boolean AS matches
@@ -1332,10 +1318,11 @@ func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentSta
 const listDecommissionCandidates = `-- name: ListDecommissionCandidates :many
 SELECT c.machine_id
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = $1
+          AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1345,12 +1332,6 @@ WHERE NOT EXISTS (
           AND (w.process = $2 OR (w.machine_exclusive AND $3::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = $2
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
 ORDER BY c.since
 LIMIT $4::integer
 `
@@ -1368,6 +1349,15 @@ type ListDecommissionCandidatesParams struct {
 // machine_decommission_request, which holds only open requests (the
 // decommissioner deletes each one with the machine's other tags), and
 // joins each request to its machine by primary key.
+//
+// since is when the request became a candidate: when it was made, or the
+// end of its Decommission backoff if that is later (a quarantine holds
+// until 'infinity'; migration 00019). The index
+// machine_decommission_request_since is keyed by it, so the range up to
+// now() holds exactly the requests not held, in order, and a claim never
+// reads a request that waits in backoff (a provider refusing to release
+// machines backs off every request). The holds are the backoff, so the
+// shared backoff exclusion is left out:
 func (q *Queries) ListDecommissionCandidates(ctx context.Context, arg ListDecommissionCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listDecommissionCandidates,
 		arg.Provider,

@@ -54,6 +54,7 @@ type MachineDecommissionRequest struct {
 	RequestedAt time.Time
 	RequestedBy string
 	Reason      string
+	HeldUntil   *time.Time
 }
 
 type MachineHardwareReport struct {

@@ -283,12 +283,22 @@ CROSS JOIN (SELECT count(*) AS expired_count,
 -- machine_decommission_request, which holds only open requests (the
 -- decommissioner deletes each one with the machine's other tags), and
 -- joins each request to its machine by primary key.
+--
+-- since is when the request became a candidate: when it was made, or the
+-- end of its Decommission backoff if that is later (a quarantine holds
+-- until 'infinity'; migration 00019). The index
+-- machine_decommission_request_since is keyed by it, so the range up to
+-- now() holds exactly the requests not held, in order, and a claim never
+-- reads a request that waits in backoff (a provider refusing to release
+-- machines backs off every request). The holds are the backoff, so the
+-- shared backoff exclusion is left out:
 SELECT c.machine_id
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
+          AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -298,22 +308,17 @@ WHERE NOT EXISTS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
 ORDER BY c.since
 LIMIT @row_limit::integer;
 
 -- name: CountDecommissionCandidates :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
+          AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -322,13 +327,7 @@ WHERE NOT EXISTS (
         WHERE w.machine_id = c.machine_id
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
-          AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL));
+          AND s.closed_at IS NULL);
 
 -- name: CountDecommissionMatching :one
 -- CountDecommissionMatching counts the machines the definition selects by
@@ -337,7 +336,7 @@ WHERE NOT EXISTS (
 -- how many it could work on).
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
@@ -351,10 +350,11 @@ FROM (
 SELECT EXISTS (
     SELECT 1
     FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
+          AND GREATEST(d.requested_at, d.held_until) <= now()
     ) c
     WHERE c.machine_id = @machine_id::uuid
 )::boolean AS matches;
@@ -384,10 +384,11 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
+          AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -398,12 +399,6 @@ WITH candidate AS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
         ORDER BY c.since
         LIMIT @scan_limit::integer
     ) c
@@ -473,10 +468,11 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, d.requested_at AS since
+        SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
         WHERE p.provider = @provider
+          AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -487,12 +483,6 @@ WITH candidate AS (
           AND (w.process = @process OR (w.machine_exclusive AND @exclusive::boolean))
           AND s.deadline > now()
           AND s.closed_at IS NULL)
-  AND NOT EXISTS (
-        SELECT 1
-        FROM work_backoff b
-        WHERE b.machine_id = c.machine_id
-          AND b.process = @process
-          AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))
         ORDER BY c.since
         LIMIT 1
     ) c
