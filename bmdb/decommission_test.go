@@ -65,7 +65,7 @@ func TestDecommissionCandidates(t *testing.T) {
 			f.backoff(id, bmdb.ProcessDecommission, -time.Minute, false)
 		}, true},
 		// The request takes over the hold of a backoff recorded before it
-		// was made (migration 00019).
+		// was made (migration 00020).
 		{"backed off, then requested", "p", func(id uuid.UUID) {
 			f.backoff(id, bmdb.ProcessDecommission, time.Hour, false)
 			f.requestDecommission(id)

@@ -50,7 +50,7 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 		{bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p")},
 		{bmdb.ProcessRecovery, bmdb.RecoveryCandidates("p", 0, 0)},
 		// A provider that refuses to release machines backs off every
-		// decommission (migration 00019).
+		// decommission (migration 00020).
 		{bmdb.ProcessDecommission, bmdb.DecommissionCandidates("p")},
 	}
 	for _, c := range cases {

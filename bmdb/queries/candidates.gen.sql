@@ -286,7 +286,7 @@ CROSS JOIN (SELECT count(*) AS expired_count,
 --
 -- since is when the request became a candidate: when it was made, or the
 -- end of its Decommission backoff if that is later (a quarantine holds
--- until 'infinity'; migration 00019). The index
+-- until 'infinity'; migration 00020). The index
 -- machine_decommission_request_since is keyed by it, so the range up to
 -- now() holds exactly the requests not held, in order, and a claim never
 -- reads a request that waits in backoff (a provider refusing to release
