@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"crypto/ed25519"
+	"crypto/tls"
 	"encoding/pem"
 	"errors"
 	"flag"
@@ -225,6 +226,11 @@ func benchMemory(ctx context.Context, e *env) error {
 		return fmt.Errorf("load generator: %s", line)
 	}
 
+	handshake, err := handshakeCPU(filepath.Join(dir, "data", "pki"), ids[0], serverAddr, 300)
+	if err != nil {
+		return err
+	}
+
 	beats := steady.accepted - ramp1.accepted
 	if beats <= 0 {
 		return errors.New("no heartbeat accepted while connected")
@@ -262,6 +268,7 @@ func benchMemory(ctx context.Context, e *env) error {
 		"seconds", elapsed.Seconds()}, common...)...)
 	report("P5", "new_connection_server_cpu_us", connUS, append([]any{
 		"heartbeat_server_cpu_us", serverUS, "profiles", profiles}, common...)...)
+	report("P5", "tls_handshake_both_ends_cpu_us", float64(handshake.Nanoseconds())/1e3, "handshakes", 300)
 	return nil
 }
 
@@ -340,6 +347,59 @@ func p5Fleet(ctx context.Context, url, dir string) ([]string, error) {
 	}
 	_, err = conn.Exec(ctx, "VACUUM ANALYZE")
 	return ids, err
+}
+
+// handshakeCPU returns the CPU time of one full TLS handshake between an
+// agent and the callback server, both ends in this process, with the
+// real certificates: the server's, issued by the development CA `shepherd
+// run` made in pkiDir, and an agent's self-signed ed25519 one, with the
+// configurations the server (tls.RequestClientCert, TLS 1.3) and the agent
+// (agent.ClientTLS: no session resumption) use.
+func handshakeCPU(pkiDir, machineID, endpoint string, n int) (time.Duration, error) {
+	cert, err := tls.LoadX509KeyPair(filepath.Join(pkiDir, "server.crt"), filepath.Join(pkiDir, "server.key"))
+	if err != nil {
+		return 0, err
+	}
+	ca, err := readCAFile(filepath.Join(pkiDir, "ca.crt"))
+	if err != nil {
+		return 0, err
+	}
+	srvCfg := &tls.Config{Certificates: []tls.Certificate{cert}, ClientAuth: tls.RequestClientCert, MinVersion: tls.VersionTLS13, NextProtos: []string{"h2"}}
+	cliCfg, err := agent.ClientTLS(machineID, endpoint, ca, agentKey(0))
+	if err != nil {
+		return 0, err
+	}
+	// Over loopback TCP, not net.Pipe: the server's session ticket, written
+	// after the handshake, must not wait for a reader.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	start := processCPU()
+	for range n {
+		done := make(chan error, 1)
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				done <- err
+				return
+			}
+			defer c.Close()
+			done <- tls.Server(c, srvCfg).Handshake()
+		}()
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			return 0, err
+		}
+		cerr := tls.Client(c, cliCfg).Handshake()
+		serr := <-done
+		c.Close()
+		if err := errors.Join(cerr, serr); err != nil {
+			return 0, fmt.Errorf("TLS handshake: %w", err)
+		}
+	}
+	return (processCPU() - start) / time.Duration(n), nil
 }
 
 // readCAFile reads the PEM CA certificate `shepherd run` wrote and returns
