@@ -1,0 +1,81 @@
+// Package server is the agent callback server (SPEC §4.5): it serves the
+// heartbeat RPC over TLS, authenticates every agent by the key of its client
+// certificate against the machine's AgentStarted tag, records heartbeats in
+// batches, stores the reports agents send, and hands out pending
+// installation requests.
+//
+// The RPC is served by grpc-go, whose HTTP/2 transport costs about a third
+// less CPU per call than net/http's (measured on the heartbeat path); agents
+// call it with connect-go's gRPC client, which keeps their binary small.
+//
+// # Memory per connection
+//
+// Agents keep one HTTP/2 connection to the server between heartbeats (the
+// agent's client drops it after 5 minutes idle; heartbeats come every 30
+// s), so the server holds a connection per agent. P5 of `make bench`
+// measures what one costs in `shepherd run --components=all` managing
+// 100,000 machines of a static inventory, with 15,000 agents connected
+// from another process (this machine allows 20,000 descriptors per
+// process). Measured 2026-11-27 on the shared 2-core machine (load
+// average about 15 from other work, so CPU figures are high and noisy),
+// with grpc-go's default 32 KiB read buffer:
+//
+//	P5 rss_mb value=1391 baseline=264 ... fds=15028 goroutines=45070 agents=15000 machines=100000
+//	P5 memory_per_agent_kb value=76.90
+//	P5 rss_mb_extrapolated_100000_agents value=7774 limit=300
+//	P5 heartbeats_per_s value=500 server_cpu_us=346 postgres_cpu_us=279 loadgen_cpu_us=291
+//	P5 new_connection_server_cpu_us value=327
+//
+// So 77 KiB of RSS per connected agent, and three goroutines (grpc-go's
+// frame reader, writer and keepalive timer, each parked with its own
+// stack). The heap profile of that run (inuse_space) shows per connection:
+//
+//   - grpc-go's read buffer, 32 KiB (bufio.NewReaderSize in newFramer):
+//     55 % of the heap in use. grpc-go pools it only on plain TCP
+//     connections; on TLS each connection keeps its own for life.
+//   - the TLS connection's record buffer (bytes.growSlice, about 2.8
+//     KiB), its AES-GCM states (1.5 KiB), the HPACK table (1 KiB), the
+//     client's parsed certificate (1 KiB) and grpc-go's transport state
+//     and timers, a few KiB together.
+//   - no write buffer: grpc-go shares it by default, a connection takes
+//     one from a pool to write and gives it back.
+//
+// The rest of RSS is the goroutine stacks and heap the collector has
+// freed but not yet returned (with GOGC=100 the heap may grow to twice
+// what is live).
+//
+// The server therefore sets grpc.ReadBufferSize(0): the HTTP/2 framer
+// reads from the TLS connection, which holds the decrypted record it reads
+// from anyway, so the buffer saved nothing but a few calls into the TLS
+// connection per frame. P1 (back-to-back heartbeats, 1,000 agents) was the
+// same within this machine's noise before and after: 2,756 and 2,724
+// heartbeats/s, server CPU 91 and 85 µs per heartbeat. P5 after the change
+// has not yet run to completion: with the machine's load average at 20 to
+// 30, agents' connections were dropped and retried and not all 15,000
+// connected within the ramp, and a control run without the change failed
+// the same way at the same time. Measure it again on a quieter machine;
+// the heap profile predicts 32 KiB less heap per connection, and more RSS
+// than that with the collector's headroom.
+//
+// # Kept connections or a handshake per heartbeat
+//
+// Even without the read buffer, a connection per agent is tens of KiB:
+// 100,000 kept connections take gigabytes, against P5's 300 MB for the
+// whole process (which holds 264 MB with no agent connected, most of it
+// the fleet's 100,000 machines in the provider and the loops). The other
+// way, a connection per heartbeat, costs a TLS 1.3 handshake (the
+// development CA's ECDSA P-256 server certificate, the agent's
+// self-signed ed25519 one, X25519MLKEM768 key exchange, no session
+// resumption) and the HTTP/2 and gRPC set-up, every 30 s per agent: 327
+// µs of server CPU per new connection, derived from the minute in which
+// P5's agents connect (its CPU less that of the heartbeats it carried),
+// and about 1.3 ms for a bare handshake with both ends in one process
+// (P5's tls_handshake_both_ends_cpu_us). At 100,000 agents that is 3,333
+// handshakes a second, more than one core for handshakes alone, ten
+// times P1's budget of 30 µs per heartbeat. Neither design meets P1 and
+// P5 together; what remains to measure is the middle: agents that close
+// their connection after each heartbeat and resume the TLS session next
+// time (a PSK handshake, no certificate signatures), or a server that
+// closes connections idle for a few seconds, so that only agents in the
+// middle of a heartbeat hold one.
+package server
