@@ -47,29 +47,47 @@
 // The server therefore sets grpc.ReadBufferSize(0): the HTTP/2 framer
 // reads from the TLS connection, which holds the decrypted record it reads
 // from anyway, so the buffer saved nothing but a few calls into the TLS
-// connection per frame. P1 (back-to-back heartbeats, 1,000 agents) was the
-// same within this machine's noise before and after: 2,756 and 2,724
-// heartbeats/s, server CPU 91 and 85 µs per heartbeat. P5 after the change
-// has not yet run to completion: with the machine's load average at 20 to
-// 30, agents' connections were dropped and retried and not all 15,000
-// connected within the ramp, and a control run without the change failed
-// the same way at the same time. Measure it again on a quieter machine;
-// the heap profile predicts 32 KiB less heap per connection, and more RSS
-// than that with the collector's headroom.
+// connection per frame. P5 on the same machine after the change (a
+// quieter moment: load average 2 to 10):
+//
+//	P5 rss_mb value=952 baseline=239 ... fds=15028 goroutines=45059 agents=15000 machines=100000
+//	P5 memory_per_agent_kb value=48.66 heap_inuse_kb=34.42 stack_inuse_kb=10.84 goroutines=3.00
+//	P5 rss_mb_extrapolated_100000_agents value=4991 limit=300
+//	P5 heartbeats_per_s value=500 server_cpu_us=449 postgres_cpu_us=361 loadgen_cpu_us=343
+//	P5 new_connection_server_cpu_us value=353
+//	P5 tls_handshake_both_ends_cpu_us value=1219
+//
+// 77 KiB → 49 KiB per connected agent. The CPU figures rose by 18 to 30
+// % in all three processes, PostgreSQL and the load generator too, which
+// the change does not touch: the machine, not the change. What is left per connection,
+// from the heap profile: the TLS record buffer (3 KiB), AES-GCM states
+// (2 KiB), write buffers in use or pooled (2 KiB), the parsed client
+// certificate (2 KiB), the transport, its three timers and the HPACK
+// table (4 KiB), and 11 KiB of goroutine stacks; the rest is the
+// collector's headroom.
+//
+// P1 (back-to-back heartbeats) did not get dearer: run just after each
+// other, with the change 11,200 and 8,550 heartbeats/s at 1,000 and
+// 10,000 agents, server CPU 76 and 90 µs per heartbeat; without it 6,626
+// and 5,633/s, 86 and 87 µs. The rates differ with the machine's load,
+// which rose during the second run; the CPU per heartbeat is the same
+// within the noise.
 //
 // # Kept connections or a handshake per heartbeat
 //
 // Even without the read buffer, a connection per agent is tens of KiB:
 // 100,000 kept connections take gigabytes, against P5's 300 MB for the
-// whole process (which holds 264 MB with no agent connected, most of it
-// the fleet's 100,000 machines in the provider and the loops). The other
+// whole process, which holds 240 to 264 MB with no agent connected (the
+// static inventory, the provider's and the BMDB's listings of 100,000
+// machines are the largest items of its heap profile). The other
 // way, a connection per heartbeat, costs a TLS 1.3 handshake (the
 // development CA's ECDSA P-256 server certificate, the agent's
 // self-signed ed25519 one, X25519MLKEM768 key exchange, no session
 // resumption) and the HTTP/2 and gRPC set-up, every 30 s per agent: 327
-// µs of server CPU per new connection, derived from the minute in which
-// P5's agents connect (its CPU less that of the heartbeats it carried),
-// and about 1.3 ms for a bare handshake with both ends in one process
+// and 353 µs of server CPU per new connection in the two runs, derived
+// from the minute in which P5's agents connect (its CPU less that of the
+// heartbeats it carried), and 1.2 ms for a bare handshake with both ends
+// in one process
 // (P5's tls_handshake_both_ends_cpu_us). At 100,000 agents that is 3,333
 // handshakes a second, more than one core for handshakes alone, ten
 // times P1's budget of 30 µs per heartbeat. Neither design meets P1 and
