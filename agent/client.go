@@ -67,12 +67,23 @@ func ClientTLS(machineID, endpoint string, caDER []byte, key ed25519.PrivateKey)
 	return cfg, nil
 }
 
-// HTTPClient is the HTTP/2 client heartbeats travel on, with tlsCfg.
-func HTTPClient(tlsCfg *tls.Config) *http.Client {
+// HTTPClient is the HTTP/2 client heartbeats travel on, with tlsCfg. It
+// keeps its one connection to the server between heartbeats (for up to
+// IdleConnTimeout), so that a heartbeat costs no TLS handshake.
+func HTTPClient(tlsCfg *tls.Config) *http.Client { return HTTPClientDialer(tlsCfg, Dialer()) }
+
+// Dialer is the dialer of an agent's connection to the callback server.
+func Dialer() *net.Dialer { return &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second} }
+
+// HTTPClientDialer is HTTPClient connecting with d instead of Dialer(). The
+// benchmark's load generator uses it to make each simulated agent's
+// connection exactly as an agent does, from loopback source addresses of
+// its choosing (d.LocalAddr).
+func HTTPClientDialer(tlsCfg *tls.Config, d *net.Dialer) *http.Client {
 	return &http.Client{Transport: &http.Transport{
 		TLSClientConfig:     tlsCfg,
 		ForceAttemptHTTP2:   true,
-		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		DialContext:         d.DialContext,
 		TLSHandshakeTimeout: 10 * time.Second,
 		IdleConnTimeout:     5 * time.Minute,
 	}}

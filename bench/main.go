@@ -63,8 +63,8 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == loadgenMode {
 		os.Exit(loadgenMain(os.Args[2:]))
 	}
-	if len(os.Args) > 1 && os.Args[1] == p5Mode {
-		os.Exit(allInOneMain(os.Args[2:]))
+	if len(os.Args) > 1 && os.Args[1] == p5LoadgenMode {
+		os.Exit(p5LoadgenMain(os.Args[2:]))
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -153,6 +153,9 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 	defer os.RemoveAll(dir)
 	srv, err := server.New(server.Config{
 		Listen: "127.0.0.1:0", DataDir: dir, Registerer: reg, Unbatched: unbatched, HeartbeatInterval: time.Second,
+		// Every agent connects from 127.0.0.1, which the default limit
+		// per address (4,096) would refuse beyond that.
+		MaxConnectionsPerIP: len(ids),
 	}, db)
 	if err != nil {
 		return heartbeatResult{}, err

@@ -3,118 +3,505 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/ed25519"
+	"crypto/tls"
+	"encoding/pem"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/shepherd/shepherd/agent"
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/bmdb"
-	"github.com/shepherd/shepherd/manager"
-	"github.com/shepherd/shepherd/provider/sim"
+	"github.com/shepherd/shepherd/internal/metricstest"
 )
 
 const (
+	// p5Machines are the machines the shepherd process manages: rows in
+	// the BMDB and entries of the static inventory, each with its own
+	// agent key.
 	p5Machines = 100_000
-	// p5Interval is the heartbeat interval the server hands out: SPEC's
-	// default, so 100,000 agents send 3,333 heartbeats a second.
+	// p5Agents are the agents connected at once. This machine allows
+	// 20,000 file descriptors per process, and the server holds one per
+	// connected agent, so the figure is measured at 15,000 and
+	// extrapolated per agent to p5Machines (printed as such). The other
+	// agents were started less than the first-heartbeat timeout (30 min)
+	// ago, so their silence is not yet a reason to recover them.
+	p5Agents = 15_000
+	// p5Interval is SPEC's default heartbeat interval, which the server
+	// hands out and the load generator keeps to.
 	p5Interval = 30 * time.Second
-	// p5Measure is how long RSS is watched once every agent heartbeats:
-	// a few heartbeat intervals and provisioner passes.
+	// p5Idle is how long RSS is watched once every component runs and
+	// before any agent connects: the provisioner's, updater's and
+	// janitor's first passes over the fleet fall into it.
+	p5Idle = 40 * time.Second
+	// p5Ramp is how long the agents take to connect, evenly spread: their
+	// first heartbeats, at i/N of p5Ramp, fall evenly over the interval
+	// from then on too, since p5Ramp is a whole number of intervals. A
+	// ramp shorter than that makes the server do 15,000 TLS handshakes
+	// in a few seconds on this shared machine, and agents time out.
+	p5Ramp = 2 * p5Interval
+	// p5Measure is how long the connected fleet is watched: two intervals,
+	// so every agent heartbeats twice.
 	p5Measure = 2 * p5Interval
-	// p5Mode is the first argument that makes the bench binary the
-	// all-in-one process P5 measures.
-	p5Mode = "p5-allinone"
+	// p5Sources is how many loopback source addresses (127.0.0.2 and up)
+	// the agents' connections are spread over: each gives its own range
+	// of ephemeral ports, and each stays under the server's default limit
+	// of 4,096 connections per address.
+	p5Sources = 16
+	// p5LoadgenMode is the first argument that makes the bench binary P5's
+	// load generator.
+	p5LoadgenMode = "p5-loadgen"
 )
 
-// benchMemory is P5: the resident memory of one all-in-one process (callback
-// server, provisioner, initializer, recoverer and a simulated fleet whose
-// agents heartbeat to it) managing 100,000 machines. The process is a child
-// of its own, so the figure is its memory alone, read from /proc by the
-// parent: the peak (VmHWM, including setting up) and the largest RSS seen
-// in steady state.
+// benchMemory is P5: the memory of the shepherd process alone, as an
+// operator runs it (`shepherd run --components=all`: callback server,
+// provisioner, initializer, recoverer, updater, janitor, decommissioner,
+// with the static provider listing p5Machines machines), while p5Agents
+// agents in another process each keep their own TLS connection to it,
+// authenticate with their own key and heartbeat every 30 s, as the real
+// agent does (agent.HTTPClientDialer, connect-go's gRPC client).
+//
+// It prints the process's RSS with no agent connected and with p5Agents,
+// the memory per connected agent and its extrapolation to p5Machines
+// agents, the process's descriptors and goroutines, the CPU per heartbeat
+// of the server, PostgreSQL and the load generator, the heartbeat rate,
+// and the server CPU of a new connection (TLS handshake and the HTTP/2 and
+// gRPC set-up), derived from the minute the agents connected in. A CPU
+// profile and a heap profile of the loaded process are kept in the
+// directory printed as profiles=.
 func benchMemory(ctx context.Context, e *env) error {
 	url, err := e.database(ctx, "p5")
 	if err != nil {
 		return err
 	}
-	exe, err := os.Executable()
+	dir, err := os.MkdirTemp("", "shepherd-bench-p5-")
 	if err != nil {
 		return err
 	}
-	cmd := exec.CommandContext(ctx, exe, p5Mode, "-url", url, "-machines", strconv.Itoa(p5Machines))
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return err
+	defer os.RemoveAll(dir)
+	profiles := os.Getenv("BENCH_ARTEFACTS")
+	if profiles == "" {
+		profiles = filepath.Join(os.TempDir(), "shepherd-bench-artefacts")
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
+	profiles = filepath.Join(profiles, "p5-"+time.Now().UTC().Format("20060102T150405Z"))
+	if err := os.MkdirAll(profiles, 0o755); err != nil {
 		return err
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	defer func() {
-		stdin.Close()
-		_ = cmd.Wait()
-	}()
-	out := bufio.NewScanner(stdout)
-	if !out.Scan() || out.Text() != "READY" {
-		return fmt.Errorf("all-in-one process: %s", out.Text())
 	}
 
-	conn, err := pgx.Connect(ctx, url)
+	bin := filepath.Join(dir, "shepherd")
+	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/shepherd")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		return fmt.Errorf("building ./cmd/shepherd (run the bench from the module root): %w", err)
+	}
+	ids, err := p5Fleet(ctx, url, dir)
+	if err != nil {
+		return fmt.Errorf("recording the fleet: %w", err)
+	}
+	serverAddr, err := freeAddr()
 	if err != nil {
 		return err
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	start := time.Now()
-	if err := waitFor(ctx, 3*p5Interval, "every agent heartbeating", func() (bool, error) {
-		n, err := heartbeating(ctx, conn, "sim")
-		return n == p5Machines, err
+	metricsAddr, err := freeAddr()
+	if err != nil {
+		return err
+	}
+	sh := exec.CommandContext(ctx, bin, "run", "--components=all", "--database-url", url,
+		"--data-dir", filepath.Join(dir, "data"), "--provider", "static",
+		"--provider-config", filepath.Join(dir, "static.yaml"), "--agent", filepath.Join(dir, "agent-stand-in"),
+		"--server-listen", serverAddr, "--metrics-listen", metricsAddr, "--pprof", "--log-level", "warn")
+	sh.Stdout, sh.Stderr = os.Stderr, os.Stderr
+	sh.Cancel = func() error { return sh.Process.Signal(syscall.SIGTERM) }
+	sh.WaitDelay = 30 * time.Second
+	if err := sh.Start(); err != nil {
+		return err
+	}
+	shDone := make(chan error, 1)
+	go func() { shDone <- sh.Wait() }()
+	defer func() {
+		_ = sh.Process.Signal(syscall.SIGTERM)
+		<-shDone
+	}()
+	pid := sh.Process.Pid
+	if err := waitFor(ctx, time.Minute, "shepherd run serving", func() (bool, error) {
+		select {
+		case err := <-shDone:
+			shDone <- err
+			return false, fmt.Errorf("shepherd run exited: %v", err)
+		default:
+		}
+		if _, err := metricstest.Get(ctx, metricsAddr); err != nil {
+			return false, err
+		}
+		c, err := net.Dial("tcp", serverAddr)
+		if err != nil {
+			return false, err
+		}
+		c.Close()
+		return true, nil
 	}); err != nil {
 		return err
 	}
-	allBeating := time.Since(start)
 
-	pid := cmd.Process.Pid
-	var steady int64
-	deadline := time.Now().Add(p5Measure)
-	for time.Now().Before(deadline) && ctx.Err() == nil {
-		st, err := procStatus(pid)
-		if err != nil {
-			return err
-		}
-		steady = max(steady, st["VmRSS"])
-		sleepCtx(ctx, time.Second)
-	}
-	// Every agent still heartbeats: the process was doing its job.
-	var fresh int64
-	if err := conn.QueryRow(ctx, `SELECT count(*) FROM machine_agent_heartbeat WHERE agent_heartbeat_at > now() - $1::interval`,
-		(p5Interval + 10*time.Second).String()).Scan(&fresh); err != nil {
-		return err
-	}
-	st, err := procStatus(pid)
+	// No agent: the process with its fleet of machines and nothing else.
+	idle, err := watchRSS(ctx, pid, p5Idle)
 	if err != nil {
 		return err
 	}
-	stdin.Close()
-	if out.Scan() && out.Text() != "DONE" {
-		return fmt.Errorf("all-in-one process: %s", out.Text())
+	idleFDs, _ := countFDs(pid)
+	idleGoroutines, _ := metricstest.Scrape(ctx, metricsAddr, "go_goroutines")
+	idleMem, err := goMemory(ctx, metricsAddr)
+	if err != nil {
+		return err
 	}
-	const limit = 300 << 20
-	report("P5", "rss_mb", float64(steady)/(1<<20), "peak_mb", float64(st["VmHWM"])/(1<<20),
-		"limit", float64(limit>>20), "limit_ratio", float64(steady)/limit, "peak_limit_ratio", float64(st["VmHWM"])/limit,
-		"machines", p5Machines, "fresh_heartbeats", fresh, "all_heartbeating_s", allBeating.Seconds(),
-		"measured_s", p5Measure.Seconds())
+
+	lg, err := startP5Loadgen(ctx, dir, serverAddr, ids[:p5Agents])
+	if err != nil {
+		return err
+	}
+	defer lg.stop()
+	// The ramp: every agent makes its connection and first heartbeat,
+	// spread evenly over one interval.
+	ramp0 := snapshot(ctx, e, pid, lg.cmd.Process.Pid, metricsAddr)
+	if err := lg.send("GO"); err != nil {
+		return err
+	}
+	if _, err := lg.expect(ctx, "CONNECTED", p5Ramp+3*time.Minute); err != nil {
+		line, _ := lg.finish(ctx)
+		return fmt.Errorf("%w (%s)", err, line)
+	}
+	ramp1 := snapshot(ctx, e, pid, lg.cmd.Process.Pid, metricsAddr)
+
+	// Steady state: every agent keeps its connection and heartbeats every
+	// interval. The CPU profile covers the first half of the window (its
+	// sampling costs the server a little CPU, which is counted).
+	cpuProfile := make(chan error, 1)
+	go func() {
+		cpuProfile <- fetch(ctx, metricsAddr, fmt.Sprintf("/debug/pprof/profile?seconds=%d", int(p5Interval.Seconds())), filepath.Join(profiles, "cpu.pb.gz"))
+	}()
+	loaded, err := watchRSS(ctx, pid, p5Measure)
+	if err != nil {
+		return err
+	}
+	steady := snapshot(ctx, e, pid, lg.cmd.Process.Pid, metricsAddr)
+	fds, _ := countFDs(pid)
+	goroutines, _ := metricstest.Scrape(ctx, metricsAddr, "go_goroutines")
+	mem, err := goMemory(ctx, metricsAddr)
+	if err != nil {
+		return err
+	}
+	if err := fetch(ctx, metricsAddr, "/debug/pprof/heap", filepath.Join(profiles, "heap.pb.gz")); err != nil {
+		return err
+	}
+	if err := fetch(ctx, metricsAddr, "/debug/pprof/goroutine", filepath.Join(profiles, "goroutine.pb.gz")); err != nil {
+		return err
+	}
+	if err := <-cpuProfile; err != nil {
+		return err
+	}
+	line, err := lg.finish(ctx)
+	if err != nil {
+		return err
+	}
+	if !strings.HasPrefix(line, "DONE failures=0 ") {
+		return fmt.Errorf("load generator: %s", line)
+	}
+
+	handshake, err := handshakeCPU(filepath.Join(dir, "data", "pki"), ids[0], serverAddr, 300)
+	if err != nil {
+		return err
+	}
+
+	beats := steady.accepted - ramp1.accepted
+	if beats <= 0 {
+		return errors.New("no heartbeat accepted while connected")
+	}
+	elapsed := steady.at.Sub(ramp1.at)
+	perBeat := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / beats }
+	serverUS := perBeat(steady.server - ramp1.server)
+	// The ramp paid for p5Agents new connections and its heartbeats; what
+	// the heartbeats cost is known from the steady state.
+	rampBeats := ramp1.accepted - ramp0.accepted
+	connUS := (float64((ramp1.server-ramp0.server).Nanoseconds())/1e3 - rampBeats*serverUS) / p5Agents
+	const mb, limit = 1 << 20, 300 << 20
+	perAgent := float64(loaded.max-idle.max) / p5Agents
+	extrapolated := float64(idle.max) + perAgent*p5Machines
+	common := []any{"agents", p5Agents, "machines", p5Machines, "interval_s", p5Interval.Seconds()}
+	report("P5", "rss_mb", float64(loaded.max)/mb, append([]any{
+		"baseline", float64(idle.max) / mb, "ratio", float64(loaded.max) / float64(idle.max),
+		"limit", float64(limit / mb), "limit_ratio", float64(loaded.max) / limit,
+		"peak_mb", float64(loaded.peak) / mb, "fds", fds, "baseline_fds", idleFDs,
+		"goroutines", goroutines, "baseline_goroutines", idleGoroutines}, common...)...)
+	// Where it goes: the Go heap in use and the goroutine stacks (each
+	// connection has a reader, a writer and a keepalive goroutine), per
+	// connected agent; the rest of RSS is heap the collector has not yet
+	// reclaimed or returned.
+	report("P5", "memory_per_agent_kb", perAgent/1024, append([]any{
+		"heap_inuse_kb", (mem.heapInuse - idleMem.heapInuse) / p5Agents / 1024,
+		"stack_inuse_kb", (mem.stackInuse - idleMem.stackInuse) / p5Agents / 1024,
+		"goroutines", (goroutines - idleGoroutines) / p5Agents}, common...)...)
+	report("P5", "rss_mb_extrapolated_100000_agents", extrapolated/mb, append([]any{
+		"limit", float64(limit / mb), "limit_ratio", extrapolated / limit,
+		"from_agents", p5Agents, "baseline_mb", float64(idle.max) / mb, "memory_per_agent_kb", perAgent / 1024}, common...)...)
+	report("P5", "heartbeats_per_s", beats/elapsed.Seconds(), append([]any{
+		"server_cpu_us", serverUS, "postgres_cpu_us", perBeat(steady.pg - ramp1.pg),
+		"loadgen_cpu_us", perBeat(steady.loadgen - ramp1.loadgen),
+		"seconds", elapsed.Seconds()}, common...)...)
+	report("P5", "new_connection_server_cpu_us", connUS, append([]any{
+		"heartbeat_server_cpu_us", serverUS, "profiles", profiles}, common...)...)
+	report("P5", "tls_handshake_both_ends_cpu_us", float64(handshake.Nanoseconds())/1e3, "handshakes", 300)
 	return nil
+}
+
+// p5Fleet records p5Machines machines of the static provider in the BMDB
+// at url, each started with agent key agentKey(i), writes the static
+// inventory listing them and the provider's configuration into dir, and
+// returns the machine ids by index. Recording them in bulk is the state a
+// fleet is in after its takeovers, which P4 measures.
+func p5Fleet(ctx context.Context, url, dir string) ([]string, error) {
+	db, err := bmdb.Open(ctx, bmdb.Config{URL: url}) // applies the migrations
+	if err != nil {
+		return nil, err
+	}
+	db.Close()
+	pids := make([]string, p5Machines)
+	keys := make([][]byte, p5Machines)
+	addrs := make([]netip.Addr, p5Machines)
+	var inv strings.Builder
+	inv.WriteString("machines:\n")
+	for i := range p5Machines {
+		pids[i] = fmt.Sprintf("agent-%d", i)
+		keys[i] = agentKey(i).Public().(ed25519.PublicKey)
+		// Nothing dials these addresses: every machine's agent is started,
+		// so the initializer has nothing to take over, and none is silent
+		// for long enough for the recoverer to reach for it.
+		addrs[i] = netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)})
+		fmt.Fprintf(&inv, "  - id: %s\n    address: %s\n", pids[i], addrs[i])
+	}
+	for name, data := range map[string]string{
+		"inventory.yaml": inv.String(),
+		"static.yaml":    "inventory: " + filepath.Join(dir, "inventory.yaml") + "\n",
+		"agent-stand-in": "stand-in: every machine's agent is already started",
+	} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o600); err != nil {
+			return nil, err
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, `
+		WITH ids AS (SELECT pid, addr, gen_random_uuid() AS machine_id FROM unnest($1::text[], $2::inet[]) AS u(pid, addr)),
+		m AS (INSERT INTO machines (machine_id) SELECT machine_id FROM ids RETURNING machine_id)
+		INSERT INTO machine_provided (machine_id, provider, provider_id, provider_ip_address, provider_status, provider_status_at)
+		SELECT machine_id, 'static', pid, addr, 'Running', now() FROM ids JOIN m USING (machine_id)`, pids, addrs); err != nil {
+		return nil, err
+	}
+	if _, err := conn.Exec(ctx, `
+		INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)
+		SELECT mp.machine_id, now(), u.key FROM unnest($1::text[], $2::bytea[]) AS u(pid, key)
+		JOIN machine_provided mp ON mp.provider = 'static' AND mp.provider_id = u.pid`, pids, keys); err != nil {
+		return nil, err
+	}
+	rows, err := conn.Query(ctx, `SELECT provider_id, machine_id::text FROM machine_provided`)
+	if err != nil {
+		return nil, err
+	}
+	byPid := map[string]string{}
+	for rows.Next() {
+		var pid, id string
+		if err := rows.Scan(&pid, &id); err != nil {
+			return nil, err
+		}
+		byPid[pid] = id
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	ids := make([]string, p5Machines)
+	for i, pid := range pids {
+		if ids[i] = byPid[pid]; ids[i] == "" {
+			return nil, fmt.Errorf("machine %s was not recorded", pid)
+		}
+	}
+	_, err = conn.Exec(ctx, "VACUUM ANALYZE")
+	return ids, err
+}
+
+// handshakeCPU returns the CPU time of one full TLS handshake between an
+// agent and the callback server, both ends in this process, with the
+// real certificates: the server's, issued by the development CA `shepherd
+// run` made in pkiDir, and an agent's self-signed ed25519 one, with the
+// configurations the server (tls.RequestClientCert, TLS 1.3) and the agent
+// (agent.ClientTLS: no session resumption) use.
+func handshakeCPU(pkiDir, machineID, endpoint string, n int) (time.Duration, error) {
+	cert, err := tls.LoadX509KeyPair(filepath.Join(pkiDir, "server.crt"), filepath.Join(pkiDir, "server.key"))
+	if err != nil {
+		return 0, err
+	}
+	ca, err := readCAFile(filepath.Join(pkiDir, "ca.crt"))
+	if err != nil {
+		return 0, err
+	}
+	srvCfg := &tls.Config{Certificates: []tls.Certificate{cert}, ClientAuth: tls.RequestClientCert, MinVersion: tls.VersionTLS13, NextProtos: []string{"h2"}}
+	cliCfg, err := agent.ClientTLS(machineID, endpoint, ca, agentKey(0))
+	if err != nil {
+		return 0, err
+	}
+	// Over loopback TCP, not net.Pipe: the server's session ticket, written
+	// after the handshake, must not wait for a reader.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	start := processCPU()
+	for range n {
+		done := make(chan error, 1)
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				done <- err
+				return
+			}
+			defer c.Close()
+			done <- tls.Server(c, srvCfg).Handshake()
+		}()
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			return 0, err
+		}
+		cerr := tls.Client(c, cliCfg).Handshake()
+		serr := <-done
+		c.Close()
+		if err := errors.Join(cerr, serr); err != nil {
+			return 0, fmt.Errorf("TLS handshake: %w", err)
+		}
+	}
+	return (processCPU() - start) / time.Duration(n), nil
+}
+
+// readCAFile reads the PEM CA certificate `shepherd run` wrote and returns
+// it in DER, as TakeoverInit carries it.
+func readCAFile(path string) ([]byte, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	b, _ := pem.Decode(data)
+	if b == nil || b.Type != "CERTIFICATE" {
+		return nil, fmt.Errorf("%s holds no PEM certificate", path)
+	}
+	return b.Bytes, nil
+}
+
+// freeAddr returns a loopback address with a port nobody listens on now.
+func freeAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
+// rssWatch is what watchRSS saw: the largest RSS and the peak (VmHWM).
+type rssWatch struct{ max, peak int64 }
+
+// watchRSS reads pid's RSS every second for d.
+func watchRSS(ctx context.Context, pid int, d time.Duration) (rssWatch, error) {
+	var w rssWatch
+	deadline := time.Now().Add(d)
+	for {
+		st, err := procStatus(pid)
+		if err != nil {
+			return w, err
+		}
+		w.max, w.peak = max(w.max, st["VmRSS"]), st["VmHWM"]
+		if !time.Now().Before(deadline) || ctx.Err() != nil {
+			return w, ctx.Err()
+		}
+		sleepCtx(ctx, time.Second)
+	}
+}
+
+// cpuSnapshot is the CPU the three processes had used, and the heartbeats
+// the server had accepted, at one moment.
+type cpuSnapshot struct {
+	at                  time.Time
+	server, pg, loadgen time.Duration
+	accepted            float64
+}
+
+func snapshot(ctx context.Context, e *env, pid, loadgen int, metricsAddr string) cpuSnapshot {
+	s := cpuSnapshot{at: time.Now(), pg: postgresCPU(e.srv.DataDir()), loadgen: pidCPUOrZero(loadgen), server: pidCPUOrZero(pid)}
+	s.accepted, _ = metricstest.Scrape(ctx, metricsAddr, "shepherd_server_heartbeats_accepted_total")
+	return s
+}
+
+// goMemStats are the Go runtime's memory figures a process serves on
+// /metrics.
+type goMemStats struct{ heapInuse, stackInuse float64 }
+
+func goMemory(ctx context.Context, metricsAddr string) (goMemStats, error) {
+	var m goMemStats
+	var err error
+	if m.heapInuse, err = metricstest.Scrape(ctx, metricsAddr, "go_memstats_heap_inuse_bytes"); err != nil {
+		return m, err
+	}
+	m.stackInuse, err = metricstest.Scrape(ctx, metricsAddr, "go_memstats_stack_inuse_bytes")
+	return m, err
+}
+
+func countFDs(pid int) (int, error) {
+	entries, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	return len(entries), err
+}
+
+// fetch saves what GET http://addr+path answers into file.
+func fetch(ctx context.Context, addr, path, file string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+path, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("GET %s: %w", path, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", path, resp.Status)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return fmt.Errorf("GET %s: %w", path, err)
+	}
+	return f.Close()
 }
 
 // procStatus reads the kB fields of /proc/pid/status, in bytes.
@@ -137,113 +524,206 @@ func procStatus(pid int) (map[string]int64, error) {
 	return out, nil
 }
 
-// allInOneMain is the process P5 measures. It records the simulated fleet
-// in the BMDB in bulk (taking 100,000 machines over through SSH would
-// measure the initializer, which P4 does), adopts every machine with the
-// fleet's shared agent key, starts every component, prints READY and runs
-// until stdin closes; then it stops cleanly and prints DONE.
-func allInOneMain(args []string) int {
-	fs := flag.NewFlagSet(p5Mode, flag.ContinueOnError)
-	url := fs.String("url", "", "database URL")
-	machines := fs.Int("machines", p5Machines, "fleet size")
+// p5Loadgen is the running load generator process.
+type p5Loadgen struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	lines chan string
+	done  chan struct{}
+}
+
+// startP5Loadgen starts the load generator for the agents of ids (agent
+// i has agentKey(i)) against the server at endpoint, whose CA `shepherd
+// run` keeps in dir, and waits for its READY.
+func startP5Loadgen(ctx context.Context, dir, endpoint string, ids []string) (*p5Loadgen, error) {
+	idsPath := filepath.Join(dir, "agents")
+	if err := os.WriteFile(idsPath, []byte(strings.Join(ids, "\n")+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, exe, p5LoadgenMode, "-endpoint", endpoint,
+		"-ca", filepath.Join(dir, "data", "pki", "ca.crt"), "-agents", idsPath, "-interval", p5Interval.String(), "-ramp", p5Ramp.String())
+	lg := &p5Loadgen{cmd: cmd, lines: make(chan string, 16), done: make(chan struct{})}
+	if lg.stdin, err = cmd.StdinPipe(); err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() {
+		defer close(lg.done)
+		out := bufio.NewScanner(stdout)
+		for out.Scan() {
+			lg.lines <- out.Text()
+		}
+		close(lg.lines)
+	}()
+	if _, err := lg.expect(ctx, "READY", 5*time.Minute); err != nil {
+		lg.stop()
+		return nil, err
+	}
+	return lg, nil
+}
+
+func (lg *p5Loadgen) send(line string) error {
+	_, err := io.WriteString(lg.stdin, line+"\n")
+	return err
+}
+
+// expect waits for the load generator's next line, which must start with word.
+func (lg *p5Loadgen) expect(ctx context.Context, word string, timeout time.Duration) (string, error) {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case line, ok := <-lg.lines:
+		if !ok {
+			return "", fmt.Errorf("load generator ended early (waiting for %s)", word)
+		}
+		if !strings.HasPrefix(line, word) {
+			return "", fmt.Errorf("load generator (waiting for %s): %s", word, line)
+		}
+		return line, nil
+	case <-t.C:
+		return "", fmt.Errorf("load generator: no %s after %s", word, timeout)
+	case <-ctx.Done():
+		return "", ctx.Err()
+	}
+}
+
+// finish closes stdin and returns the DONE line.
+func (lg *p5Loadgen) finish(ctx context.Context) (string, error) {
+	lg.stdin.Close()
+	return lg.expect(ctx, "DONE", time.Minute)
+}
+
+func (lg *p5Loadgen) stop() {
+	lg.stdin.Close()
+	for range lg.lines {
+	}
+	<-lg.done
+	_ = lg.cmd.Wait()
+}
+
+// p5LoadgenMain is P5's load generator: one agent per machine id of the
+// agents file (line i has key agentKey(i)), each with its own HTTP/2
+// client as the agent daemon builds it. It prints READY; on GO it starts
+// agent i at i/N of an interval, each sending a heartbeat every interval
+// on its kept connection, prints CONNECTED once every agent's first
+// heartbeat was accepted, and on the end of stdin stops and prints DONE
+// with the failed heartbeats, the agents that connected and the first
+// error. A failed heartbeat is tried again a second later.
+func p5LoadgenMain(args []string) int {
+	fs := flag.NewFlagSet(p5LoadgenMode, flag.ContinueOnError)
+	endpoint := fs.String("endpoint", "", "callback server host:port")
+	caPath := fs.String("ca", "", "PEM CA certificate of the server")
+	agentsPath := fs.String("agents", "", "file with one machine id per line; line i uses agentKey(i)")
+	interval := fs.Duration("interval", p5Interval, "heartbeat interval")
+	ramp := fs.Duration("ramp", p5Ramp, "agent i sends its first heartbeat at i/N of this")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	if err := allInOne(context.Background(), *url, *machines); err != nil {
+	fail := func(err error) int {
 		fmt.Println("ERROR", err)
 		return 1
 	}
-	fmt.Println("DONE")
-	return 0
-}
-
-func allInOne(ctx context.Context, url string, machines int) error {
-	if err := raiseFileLimit(10_000); err != nil {
-		return err
-	}
-	db, err := bmdb.Open(ctx, bmdb.Config{URL: url})
+	ca, err := readCAFile(*caPath)
 	if err != nil {
-		return err
+		return fail(err)
 	}
-	defer db.Close()
-	st, err := startSimStack(ctx, db, sim.Config{Machines: machines, SharedAgentKey: true}, p5Interval)
+	data, err := os.ReadFile(*agentsPath)
 	if err != nil {
-		return err
+		return fail(err)
 	}
-	defer st.stop()
-	if err := adoptAll(ctx, url, st); err != nil {
-		return err
+	ids := strings.Fields(string(data))
+	if err := raiseFileLimit(len(ids) + 1000); err != nil {
+		return fail(err)
 	}
-	if err := st.runProvisioner(manager.ProvisionerConfig{}); err != nil {
-		return err
-	}
-	if err := st.runInitializer(manager.InitializerConfig{}); err != nil {
-		return err
-	}
-	if err := st.runRecoverer(manager.RecovererConfig{}); err != nil {
-		return err
-	}
-	fmt.Println("READY")
-	stopped := make(chan struct{})
-	go func() {
-		_, _ = io.Copy(io.Discard, os.Stdin)
-		close(stopped)
-	}()
-	select {
-	case <-stopped:
-	case <-st.ctx.Done():
-	}
-	return st.stop()
-}
-
-// adoptAll records every machine of the fleet as provided and started with
-// the fleet's shared agent key, and starts their agents.
-func adoptAll(ctx context.Context, url string, st *simStack) error {
-	listing, err := st.fleet.ListMachines(ctx)
-	if err != nil {
-		return err
-	}
-	ids := make([]string, len(listing))
-	for i, m := range listing {
-		ids[i] = m.ID()
-	}
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	rows, err := conn.Query(ctx, `
-		WITH ids AS (SELECT id, gen_random_uuid() AS machine_id FROM unnest($1::text[]) AS id),
-		m AS (INSERT INTO machines (machine_id) SELECT machine_id FROM ids RETURNING machine_id)
-		INSERT INTO machine_provided (machine_id, provider, provider_id, provider_status, provider_status_at)
-		SELECT machine_id, $2, id, 'Running', now() FROM ids JOIN m USING (machine_id)
-		RETURNING provider_id, machine_id::text`, ids, st.fleet.Name())
-	if err != nil {
-		return err
-	}
-	var adopt []sim.Adoption
-	for rows.Next() {
-		var a sim.Adoption
-		if err := rows.Scan(&a.ProviderID, &a.MachineID); err != nil {
-			return err
+	clients := make([]agentv1connect.AgentCallbackServiceClient, len(ids))
+	transports := make([]*http.Transport, len(ids))
+	for i, id := range ids {
+		tlsCfg, err := agent.ClientTLS(id, *endpoint, ca, agentKey(i))
+		if err != nil {
+			return fail(err)
 		}
-		adopt = append(adopt, a)
+		d := agent.Dialer()
+		d.LocalAddr = &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(2+i%p5Sources))}
+		hc := agent.HTTPClientDialer(tlsCfg, d)
+		transports[i] = hc.Transport.(*http.Transport)
+		clients[i] = agentv1connect.NewAgentCallbackServiceClient(hc, "https://"+*endpoint, connect.WithGRPC())
 	}
-	if err := rows.Err(); err != nil {
-		return err
+	defer func() {
+		for _, t := range transports {
+			t.CloseIdleConnections()
+		}
+	}()
+	fmt.Println("READY")
+	in := bufio.NewScanner(os.Stdin)
+	if !in.Scan() || in.Text() != "GO" {
+		return fail(errors.New("no GO on stdin"))
 	}
-	if len(adopt) != len(ids) {
-		return errors.New("not every machine was recorded")
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin) // until stdin closes
+		cancel()
+	}()
+	var failures, connected atomic.Int64
+	var firstErr atomic.Value
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i, id := range ids {
+		req := &agentv1.HeartbeatRequest{MachineId: id, AgentVersion: "bench"}
+		wg.Go(func() {
+			next := start.Add(*ramp * time.Duration(i) / time.Duration(len(ids)))
+			first := true
+			var backoff time.Duration
+			for {
+				t := time.NewTimer(time.Until(next))
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return
+				case <-t.C:
+				}
+				next = next.Add(*interval)
+				rctx, rcancel := context.WithTimeout(ctx, 30*time.Second) // the agent's heartbeat timeout
+				_, err := clients[i].Heartbeat(rctx, connect.NewRequest(req))
+				rcancel()
+				switch {
+				case err != nil && ctx.Err() == nil:
+					failures.Add(1)
+					firstErr.CompareAndSwap(nil, err.Error())
+					// As the agent daemon retries: when the server says
+					// (Unavailable with its 1 s pushback), else backing
+					// off from 250 ms to a minute, with ±20 % jitter.
+					var cerr *connect.Error
+					if errors.As(err, &cerr) && cerr.Code() == connect.CodeUnavailable && cerr.Meta().Get("grpc-retry-pushback-ms") != "" {
+						backoff = 0
+						next = time.Now().Add(time.Duration(float64(time.Second) * (0.8 + 0.4*rand.Float64())))
+						continue
+					}
+					backoff = min(max(2*backoff, 250*time.Millisecond), time.Minute)
+					next = time.Now().Add(time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64())))
+				case err == nil:
+					backoff = 0
+				}
+				if err == nil && first {
+					first = false
+					if connected.Add(1) == int64(len(ids)) {
+						fmt.Println("CONNECTED")
+					}
+				}
+			}
+		})
 	}
-	key, err := st.fleet.Adopt(st.endpoint, st.srv.CA(), adopt)
-	if err != nil {
-		return err
-	}
-	if _, err := conn.Exec(ctx, `
-		INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)
-		SELECT machine_id, now(), $1 FROM machine_provided`, []byte(key)); err != nil {
-		return err
-	}
-	_, err = conn.Exec(ctx, "VACUUM ANALYZE")
-	return err
+	wg.Wait()
+	fmt.Printf("DONE failures=%d connected=%d first=%v\n", failures.Load(), connected.Load(), firstErr.Load())
+	return 0
 }

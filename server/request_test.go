@@ -46,6 +46,32 @@ func TestMaxRequestBytes(t *testing.T) {
 	waitCounts(t, e.reg, map[string]float64{"too_large": 1, "accepted": 1})
 }
 
+// A request of the default limit (1 MiB, some 64 TLS records and HTTP/2
+// frames) is served, and so is a small one after it on the same kept
+// connection: the server reads frames straight from the TLS connection,
+// with no read buffer of its own, so requests spanning records and
+// frames must come through whole.
+func TestLargeRequestOnKeptConnection(t *testing.T) {
+	t.Parallel()
+	e := start(t, server.Config{})
+	id, key := e.machine()
+	c := e.client(id, key)
+	const limit = 1 << 20
+	req := &agentv1.HeartbeatRequest{MachineId: id.String(), HardwareReport: &agentv1.HardwareReport{Warnings: []string{""}}}
+	for w := limit; w >= 0 && proto.Size(req) != limit; w-- {
+		req.HardwareReport.Warnings[0] = strings.Repeat("x", w)
+	}
+	if got := proto.Size(req); got != limit {
+		t.Fatalf("cannot make a request of %d bytes: got %d", limit, got)
+	}
+	for i, r := range []*agentv1.HeartbeatRequest{req, {MachineId: id.String()}, req} {
+		if _, err := e.heartbeat(c, r); err != nil {
+			t.Errorf("heartbeat %d (%d bytes): %v", i, proto.Size(r), err)
+		}
+	}
+	waitCounts(t, e.reg, map[string]float64{"accepted": 3})
+}
+
 // agent_version is stored up to 256 bytes; a longer one is refused as
 // invalid, saying why.
 func TestAgentVersionLength(t *testing.T) {

@@ -56,6 +56,7 @@ func newLogger(w io.Writer, format, level string) (*slog.Logger, error) {
 // and `shepherd dev` share them.
 func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	fl.StringVar(&cfg.MetricsListen, "metrics-listen", "", "address to serve Prometheus /metrics on (default: off)")
+	fl.BoolVar(&cfg.Pprof, "pprof", false, "also serve Go's profiles (/debug/pprof/) on --metrics-listen, for profiling under load; keep that address private")
 	cfg.Web.bind(fl)
 
 	fl.StringVar(&cfg.Server.Listen, "server-listen", ":7443", "callback server: TLS address agents send heartbeats to")

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"slices"
 	"strings"
@@ -67,6 +68,11 @@ type stackConfig struct {
 	Server        server.Config
 	MetricsListen string
 	Web           webConfig // the web UI (web.go)
+	// Pprof serves net/http/pprof's profiles (CPU, heap, goroutines) under
+	// /debug/pprof/ on MetricsListen; default off. The profiles name the
+	// code and let anyone who reaches them spend the process's CPU on
+	// profiling, so they are opt-in and need MetricsListen.
+	Pprof bool
 
 	SSHKeyFile string // initializer's SSH client key; created (0600) if missing
 	SSHUser    string
@@ -218,6 +224,9 @@ func (s *stack) build(ctx context.Context, b *parts) error {
 	cfg := s.cfg
 	has := func(c string) bool { return slices.Contains(cfg.Components, c) }
 
+	if cfg.Pprof && cfg.MetricsListen == "" {
+		return errors.New("--pprof serves on --metrics-listen, which is not set")
+	}
 	if cfg.MetricsListen != "" {
 		if err := s.buildMetrics(b); err != nil {
 			return err
@@ -426,6 +435,15 @@ func (s *stack) buildMetrics(b *parts) error {
 	b.onAbandon(func() { ln.Close() })
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{Registry: s.reg}))
+	if s.cfg.Pprof {
+		// On this mux only: importing net/http/pprof also registers on
+		// http.DefaultServeMux, which nothing here serves.
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	b.add("metrics", func(ctx context.Context) error {
 		served := make(chan error, 1)
