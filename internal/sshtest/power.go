@@ -156,29 +156,43 @@ func (m *Machine) PowerOn(ctx context.Context) error {
 	return nil
 }
 
-// killAll sends SIGKILL to every process of the machine until none is left,
-// within stopTimeout. Processes started between two scans carry the mark
-// too, so a later scan finds them; it takes two scans in a row that find
-// none, pollInterval apart, because a scan can miss a process in the midst
-// of exec (see Processes).
+// killAll sends SIGKILL to every process of the machine until none is left.
+// Processes started between two scans carry the mark too, so a later scan
+// finds them; it takes two scans in a row that find none, pollInterval
+// apart, because a scan can miss a process in the midst of exec (see
+// Processes).
 func (m *Machine) killAll(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, stopTimeout)
-	defer cancel()
+	return killAll(ctx, m.Processes, func(pid int) { _ = syscall.Kill(pid, syscall.SIGKILL) })
+}
+
+// minKillScans is how many scans killAll makes before it gives up, however
+// long they take: on a loaded machine one scan of /proc has taken more than
+// half of stopTimeout.
+const minKillScans = 5
+
+// killAll kills what scan finds until two scans in a row find nothing. It
+// gives up, naming what is left, once stopTimeout has passed and it has
+// scanned at least minKillScans times, or when ctx ends.
+func killAll(ctx context.Context, scan func() []int, kill func(pid int)) error {
+	deadline := time.Now().Add(stopTimeout)
 	tick := time.NewTicker(pollInterval)
 	defer tick.Stop()
-	for empty := 0; empty < 2; {
-		pids := m.Processes()
+	for scans, empty := 1, 0; empty < 2; scans++ {
+		pids := scan()
 		if len(pids) == 0 {
 			empty++
 		} else {
 			empty = 0
 		}
 		for _, pid := range pids {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
+			kill(pid)
+		}
+		if len(pids) > 0 && scans >= minKillScans && !time.Now().Before(deadline) {
+			return fmt.Errorf("processes %v still run after SIGKILL (%d scans in %s)", pids, scans, stopTimeout)
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("processes %v still run after SIGKILL: %w", m.Processes(), context.Cause(ctx))
+			return fmt.Errorf("processes %v may still run: %w", pids, context.Cause(ctx))
 		case <-tick.C:
 		}
 	}
