@@ -906,7 +906,10 @@ func TestOnFreePortRetriesTakenPorts(t *testing.T) {
 // a copy of that descriptor until it execs, and running the upload meanwhile
 // fails with "Text file busy" (ETXTBSY), which no real sshd would cause.
 func TestRunJustUploadedWhileOthersRun(t *testing.T) {
-	t.Parallel()
+	// Not parallel: its forks, hundreds a second, would hold every other
+	// test's listening sockets for a moment each (a child holds the
+	// process's descriptors until its exec), so their ports would seem
+	// taken or still open.
 	exe, err := os.ReadFile("/bin/true")
 	if err != nil {
 		t.Fatal(err)
