@@ -264,6 +264,20 @@ func pidCPUOrZero(pid int) time.Duration {
 	return cpu
 }
 
+// readAgents reads a load generator's agents file (one machine id per line)
+// and raises the process's file limit for a connection per agent.
+func readAgents(path string) ([]string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	ids := strings.Fields(string(data))
+	if err := raiseFileLimit(len(ids) + 1000); err != nil {
+		return nil, err
+	}
+	return ids, nil
+}
+
 // loadgenMain is the load generator process: it connects every agent named
 // in the agents file, prints READY, sends heartbeats back to back from the
 // GO line on stdin until stdin closes, and prints DONE with the failures.
@@ -283,12 +297,8 @@ func loadgenMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	data, err := os.ReadFile(*agentsPath)
+	ids, err := readAgents(*agentsPath)
 	if err != nil {
-		return fail(err)
-	}
-	ids := strings.Fields(string(data))
-	if err := raiseFileLimit(len(ids) + 1000); err != nil {
 		return fail(err)
 	}
 	ctx := context.Background()

@@ -638,12 +638,8 @@ func p5LoadgenMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	data, err := os.ReadFile(*agentsPath)
+	ids, err := readAgents(*agentsPath)
 	if err != nil {
-		return fail(err)
-	}
-	ids := strings.Fields(string(data))
-	if err := raiseFileLimit(len(ids) + 1000); err != nil {
 		return fail(err)
 	}
 	clients := make([]agentv1connect.AgentCallbackServiceClient, len(ids))

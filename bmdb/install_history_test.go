@@ -2,15 +2,30 @@ package bmdb_test
 
 import (
 	"context"
+	"crypto/ed25519"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/uuid"
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
 )
+
+// startedMachine returns a new database with one machine whose agent was
+// started with key.
+func startedMachine(t *testing.T) (*bmdbtest.DB, uuid.UUID, ed25519.PublicKey) {
+	t.Helper()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	f := fixture{t: t, db: db, s: s}
+	m := bmdbtest.AddMachine(t, db, s, "p")
+	key := newKey(t)
+	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.SetAgentStarted(ctx, m, key) })
+	return db, m, key
+}
 
 // TestInstallationHistory: every installation's course is in history
 // (process Reinstall): the request with its requester, the request handed
@@ -21,12 +36,7 @@ import (
 // requester (issue 13 item 16).
 func TestInstallationHistory(t *testing.T) {
 	t.Parallel()
-	db := bmdbtest.New(t)
-	s := bmdbtest.Session(t, db, "test", time.Minute)
-	f := fixture{t: t, db: db, s: s}
-	m := bmdbtest.AddMachine(t, db, s, "p")
-	key := newKey(t)
-	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.SetAgentStarted(ctx, m, key) })
+	db, m, key := startedMachine(t)
 	beat := func(report *bmdb.InstallationReport) bmdb.HeartbeatResult {
 		t.Helper()
 		res, err := db.RecordHeartbeats(t.Context(), []bmdb.Heartbeat{{MachineID: m, AgentKey: key, Installation: report}})
@@ -93,12 +103,7 @@ func TestInstallationHistory(t *testing.T) {
 // handing over once.
 func TestInstallationHandedOnceToHeartbeatsAtOnce(t *testing.T) {
 	t.Parallel()
-	db := bmdbtest.New(t)
-	s := bmdbtest.Session(t, db, "test", time.Minute)
-	f := fixture{t: t, db: db, s: s}
-	m := bmdbtest.AddMachine(t, db, s, "p")
-	key := newKey(t)
-	f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.SetAgentStarted(ctx, m, key) })
+	db, m, key := startedMachine(t)
 	if _, err := db.RequestInstallation(t.Context(), m, "alice@ops", []byte("gen1")); err != nil {
 		t.Fatal(err)
 	}
