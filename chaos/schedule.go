@@ -215,6 +215,9 @@ func Schedule(seed int64, d time.Duration, s Shape) []Fault {
 			}
 			last = &f
 		}
+		if meetsRotation(kept, f) {
+			continue
+		}
 		kept = append(kept, f)
 	}
 	// Every kind at least once, however short the phase: a run that never
@@ -251,6 +254,9 @@ func Schedule(seed int64, d time.Duration, s Shape) []Fault {
 			if (f.Kind == RestartPostgres || f.Kind == FailoverPostgres) && !fitsDB(kept, f) {
 				continue
 			}
+			if meetsRotation(kept, f) {
+				continue
+			}
 			kept = append(kept, f)
 			break
 		}
@@ -277,6 +283,31 @@ func fitsDB(out []Fault, f Fault) bool {
 		}
 		return o.At-f.At < gap(f)
 	})
+}
+
+// killToRecovery is how long after a real agent's death its recovery may
+// still be trying SSH: the heartbeat timeout, a loop period and the climb.
+const killToRecovery = 30 * time.Second
+
+// agentKillMeetsRotation reports whether a and b are a RealAgentKill and a
+// HostKeyRotation of one host whose recovery would meet the changed keys:
+// every rung then fails on the key mismatch, and the machine is rightly
+// quarantined for an operator (R7) instead of healing, which is not what the
+// soak tests.
+func agentKillMeetsRotation(a, b Fault) bool {
+	if a.Kind == HostKeyRotation {
+		a, b = b, a
+	}
+	if a.Kind != RealAgentKill || b.Kind != HostKeyRotation || a.Target != b.Target {
+		return false
+	}
+	return b.At < a.At+killToRecovery && b.At+b.For > a.At
+}
+
+// meetsRotation reports whether f and a fault of out are an agent kill
+// and a key rotation that agentKillMeetsRotation keeps apart.
+func meetsRotation(out []Fault, f Fault) bool {
+	return slices.ContainsFunc(out, func(o Fault) bool { return agentKillMeetsRotation(o, f) })
 }
 
 // The least time between PostgreSQL restarts and failovers, after a
