@@ -124,12 +124,7 @@ func TestInstallRequest(t *testing.T) {
 
 func TestRunServer(t *testing.T) {
 	db := bmdbtest.New(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
+	addr := freeAddr(t)
 	dataDir := t.TempDir()
 	cmd := startCommand(t, "run", "--components", "server", "--database-url", db.URL,
 		"--server-listen", addr, "--data-dir", dataDir, "--log-level", "warn")

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -85,12 +84,7 @@ func runForMetrics(t *testing.T, components string, want []string) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	metricsAddr := ln.Addr().String()
-	ln.Close()
+	metricsAddr := freeAddr(t)
 	dir := t.TempDir()
 	simConfig := filepath.Join(dir, "sim.yaml")
 	agent := filepath.Join(dir, "shepherd-agent")

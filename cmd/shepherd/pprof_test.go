@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -26,12 +25,7 @@ func TestPprofIsOptIn(t *testing.T) {
 		t.Run(fmt.Sprintf("pprof=%t", pprofOn), func(t *testing.T) {
 			t.Parallel()
 			db := bmdbtest.New(t)
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			addr := ln.Addr().String()
-			ln.Close()
+			addr := freeAddr(t)
 			args := []string{"run", "--components=janitor", "--database-url", db.URL, "--data-dir", t.TempDir(),
 				"--metrics-listen", addr, "--log-level", "error"}
 			if pprofOn {
