@@ -245,21 +245,8 @@ func startLoadgen(ctx context.Context, dir, addr string, ca []byte, ids []uuid.U
 	if err := os.WriteFile(idsPath, []byte(lines.String()), 0o600); err != nil {
 		return nil, err
 	}
-	exe, err := os.Executable()
+	cmd, stdin, stdout, err := startSelf(ctx, loadgenMode, "-endpoint", addr, "-ca", caPath, "-agents", idsPath)
 	if err != nil {
-		return nil, err
-	}
-	cmd := exec.CommandContext(ctx, exe, loadgenMode, "-endpoint", addr, "-ca", caPath, "-agents", idsPath)
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
 	l := &loadgen{cmd: cmd, stdin: stdin, out: bufio.NewScanner(stdout)}
@@ -268,6 +255,30 @@ func startLoadgen(ctx context.Context, dir, addr string, ca []byte, ids []uuid.U
 		return nil, err
 	}
 	return l, nil
+}
+
+// startSelf starts this bench binary as a child in mode (loadgenMode,
+// p5LoadgenMode, ...) with args, its stdin and stdout piped to the caller
+// and its stderr to ours.
+func startSelf(ctx context.Context, mode string, args ...string) (*exec.Cmd, io.WriteCloser, io.ReadCloser, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	cmd := exec.CommandContext(ctx, exe, append([]string{mode}, args...)...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, nil, nil, err
+	}
+	return cmd, stdin, stdout, nil
 }
 
 // expect reads the load generator's next line, which must start with word.

@@ -540,24 +540,12 @@ func startP5Loadgen(ctx context.Context, dir, endpoint string, ids []string) (*p
 	if err := os.WriteFile(idsPath, []byte(strings.Join(ids, "\n")+"\n"), 0o600); err != nil {
 		return nil, err
 	}
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.CommandContext(ctx, exe, p5LoadgenMode, "-endpoint", endpoint,
+	cmd, stdin, stdout, err := startSelf(ctx, p5LoadgenMode, "-endpoint", endpoint,
 		"-ca", filepath.Join(dir, "data", "pki", "ca.crt"), "-agents", idsPath, "-interval", p5Interval.String(), "-ramp", p5Ramp.String())
-	lg := &p5Loadgen{cmd: cmd, lines: make(chan string, 16), done: make(chan struct{})}
-	if lg.stdin, err = cmd.StdinPipe(); err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		return nil, err
 	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
+	lg := &p5Loadgen{cmd: cmd, stdin: stdin, lines: make(chan string, 16), done: make(chan struct{})}
 	go func() {
 		defer close(lg.done)
 		out := bufio.NewScanner(stdout)
