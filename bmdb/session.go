@@ -107,6 +107,9 @@ type Session struct {
 
 // StartSession opens a session and starts renewing its lease in the
 // background until Close. The session's context (Context) derives from ctx.
+// When it fails with the start's outcome unknown (the reply lost, or ctx
+// ended while the INSERT was in flight), it closes the session it may have
+// opened before returning, so that a failed start leaves no open session.
 func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -122,14 +125,19 @@ func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, er
 	// The local deadline is measured from before the INSERT is sent, so it
 	// never runs later than the deadline the database computes.
 	sent := time.Now()
-	row, err := db.q.SessionStart(ctx, model.SessionStartParams{
+	start := model.SessionStartParams{
+		SessionID: uuid.New(),
 		Component: cfg.Component,
 		Hostname:  cfg.Hostname,
 		Pid:       int32(os.Getpid()),
 		Version:   cfg.Version,
 		LeaseMs:   cfg.Lease.Milliseconds(),
-	})
+	}
+	row, err := db.q.SessionStart(ctx, start)
 	if err != nil {
+		if outcomeUnknown(err) {
+			db.abandonSession(ctx, start)
+		}
 		return nil, fmt.Errorf("bmdb: starting %s session: %w", cfg.Component, err)
 	}
 	s := &Session{
@@ -157,6 +165,37 @@ func (db *DB) StartSession(ctx context.Context, cfg SessionConfig) (*Session, er
 	go s.reconcileLoop(rctx)
 	s.log.InfoContext(ctx, "session started", "lease", cfg.Lease)
 	return s, nil
+}
+
+// abandonTimeout bounds abandonSession's attempts, as it bounds Close's.
+const abandonTimeout = 10 * time.Second
+
+// abandonSession closes a session whose start failed with its outcome
+// unknown: the INSERT may have committed with its reply lost, or the caller's
+// context ended while it was in flight (pgx then returns at once, whatever
+// the database did). The caller was given no session, so nobody would renew
+// or close it, and it would count as a live component until its lease ran
+// out. It runs detached from ctx's cancellation, because a canceled ctx is
+// one of the reasons it is needed, and retries while the database is
+// unreachable, for at most abandonTimeout; after that the lease is what ends
+// the session.
+func (db *DB) abandonSession(ctx context.Context, start model.SessionStartParams) {
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
+	defer cancel()
+	pause := 20 * time.Millisecond
+	for {
+		err := db.q.SessionAbandon(actx, model.SessionAbandonParams(start))
+		if err == nil {
+			db.log.InfoContext(actx, "closed a session whose start failed unheard", "session_id", start.SessionID.String(), "session_component", start.Component)
+			return
+		}
+		if !Unavailable(err) || !sleep(actx, jitter(pause)) {
+			db.log.WarnContext(actx, "cannot close a session whose start failed unheard; it stays open until its lease ends",
+				"session_id", start.SessionID.String(), "session_component", start.Component, "lease", time.Duration(start.LeaseMs)*time.Millisecond, "err", err)
+			return
+		}
+		pause = min(2*pause, time.Second)
+	}
 }
 
 // ID is the session's id, as recorded in history.

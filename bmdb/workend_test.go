@@ -3,6 +3,7 @@ package bmdb_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -291,5 +292,159 @@ func TestUnavailable(t *testing.T) {
 	}
 	if !bmdb.Unavailable(context.DeadlineExceeded) {
 		t.Error("Unavailable(context.DeadlineExceeded) = false")
+	}
+}
+
+// TestStartWithLostReplyLeavesNoSession starts a session whose INSERT
+// commits but whose reply never arrives: once the connection breaks, once the
+// caller gives up first (its context ends, as when `shepherd run` stops its
+// other components after one failed to start). StartSession fails, so nobody
+// will renew or close the session it may have opened: it must close it
+// itself, not leave it open for a lease.
+func TestStartWithLostReplyLeavesNoSession(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name   string
+		giveUp bool
+	}{{"connection breaks", false}, {"caller gives up", true}} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			db, proxy := behindProxy(t)
+			warm, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "warm-up", Lease: lease})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Close(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			started := func() int64 {
+				return bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'lost-start'")
+			}
+
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			dropped := proxy.DroppedReplies()
+			proxy.SetMode(tcpproxy.DropReplies)
+			result := make(chan error, 1)
+			go func() {
+				s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "lost-start", Lease: lease})
+				if err == nil {
+					err = s.Close(context.Background())
+					if err == nil {
+						err = errors.New("StartSession succeeded")
+					}
+				}
+				result <- err
+			}()
+			bmdbtest.WaitFor(t, 30*time.Second, "the start commits and its reply is dropped", func(context.Context) (bool, error) {
+				return started() == 1 && proxy.DroppedReplies() > dropped, nil
+			})
+			if tt.giveUp {
+				cancel()
+			}
+			proxy.SetMode(tcpproxy.Pass) // resets the connection that lost the reply
+			err = <-result
+			if err == nil || !(bmdb.Unavailable(err) || errors.Is(err, context.Canceled)) {
+				t.Fatalf("StartSession with its reply lost: %v, want an error that says the database was unavailable or the caller gave up", err)
+			}
+			if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'lost-start' AND closed_at IS NULL"); n != 0 {
+				t.Errorf("%d sessions left open by the start that failed, want 0", n)
+			}
+			if n := started(); n != 1 {
+				t.Errorf("%d sessions recorded for one start, want 1", n)
+			}
+		})
+	}
+}
+
+// TestStartCommittingAfterItsAbandonIsClosed breaks the connection of a
+// start whose INSERT is still committing, so that the abandon runs first: it
+// must wait for that commit and close the session, not find nothing to close
+// and let the session open after StartSession has failed. pgx sends a cancel
+// request for a connection it loses, which stops a statement still at an
+// interruptible point; the start's commit is held by a trigger that ignores
+// it, as a commit past that point (writing its WAL) does.
+func TestStartCommittingAfterItsAbandonIsClosed(t *testing.T) {
+	t.Parallel()
+	db, proxy := behindProxy(t)
+	warm, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "warm-up", Lease: lease})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	const key = 4711
+	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_start() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			LOOP
+				BEGIN PERFORM pg_advisory_lock(%[1]d); EXIT;
+				EXCEPTION WHEN query_canceled THEN NULL; END;
+			END LOOP;
+			PERFORM pg_advisory_unlock(%[1]d);
+			RETURN NULL;
+		END $$`, key))
+	db.Exec(t, `CREATE CONSTRAINT TRIGGER hold_start AFTER INSERT ON sessions DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW WHEN (NEW.component = 'late-start' AND NEW.closed_at IS NULL) EXECUTE FUNCTION hold_start()`)
+	gate, err := db.Pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gate.Release()
+	if _, err := gate.Exec(t.Context(), "SELECT pg_advisory_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	unlocked := false
+	unlock := func() {
+		if !unlocked {
+			unlocked = true
+			if _, err := gate.Exec(context.WithoutCancel(t.Context()), "SELECT pg_advisory_unlock($1)", key); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	defer unlock()
+
+	result := make(chan error, 1)
+	go func() {
+		s, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "late-start", Lease: lease})
+		if err == nil {
+			err = s.Close(context.Background())
+			if err == nil {
+				err = errors.New("StartSession succeeded")
+			}
+		}
+		result <- err
+	}()
+	bmdbtest.WaitFor(t, 60*time.Second, "the start waits at its commit", func(ctx context.Context) (bool, error) {
+		var held bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1
+			AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))`, key).Scan(&held)
+		return held, err
+	})
+	proxy.SetMode(tcpproxy.Reset)
+	proxy.SetMode(tcpproxy.Pass)
+	returned := false
+	bmdbtest.WaitFor(t, 30*time.Second, "the abandon waits for the start's commit, or StartSession returns", func(ctx context.Context) (bool, error) {
+		select {
+		case err = <-result:
+			returned = true
+			return true, nil
+		default:
+		}
+		return bmdbtest.LockWaiters(ctx, db)
+	})
+	unlock()
+	if !returned {
+		err = <-result
+	}
+	if err == nil || !bmdb.Unavailable(err) {
+		t.Fatalf("StartSession whose connection broke while it committed: %v, want an error that says the database was unavailable", err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'late-start' AND closed_at IS NULL"); n != 0 {
+		t.Errorf("%d sessions left open by the start that failed, want 0", n)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'late-start'"); n != 1 {
+		t.Errorf("%d sessions recorded for one start, want 1", n)
 	}
 }

@@ -12,6 +12,38 @@ import (
 	"github.com/google/uuid"
 )
 
+const sessionAbandon = `-- name: SessionAbandon :exec
+INSERT INTO sessions (session_id, component, hostname, pid, version, lease_ms, deadline, closed_at)
+VALUES ($1, $2, $3, $4, $5, $6, now(), now())
+ON CONFLICT (session_id) DO UPDATE SET closed_at = COALESCE(sessions.closed_at, now())
+`
+
+type SessionAbandonParams struct {
+	SessionID uuid.UUID
+	Component string
+	Hostname  string
+	Pid       int32
+	Version   string
+	LeaseMs   int64
+}
+
+// SessionAbandon closes a session whose start failed with its outcome
+// unknown (the reply was lost, or the caller gave up waiting for it). It
+// inserts the session closed if its start has not committed, so that a start
+// still in flight then fails on the key instead of opening it; it closes it
+// if it has. Nobody was told of the session, so it holds no work.
+func (q *Queries) SessionAbandon(ctx context.Context, arg SessionAbandonParams) error {
+	_, err := q.db.Exec(ctx, sessionAbandon,
+		arg.SessionID,
+		arg.Component,
+		arg.Hostname,
+		arg.Pid,
+		arg.Version,
+		arg.LeaseMs,
+	)
+	return err
+}
+
 const sessionAlive = `-- name: SessionAlive :one
 SELECT EXISTS (
     SELECT 1 FROM sessions
@@ -190,12 +222,13 @@ func (q *Queries) SessionRenew(ctx context.Context, sessionID uuid.UUID) (time.T
 }
 
 const sessionStart = `-- name: SessionStart :one
-INSERT INTO sessions (component, hostname, pid, version, lease_ms, deadline)
-VALUES ($1, $2, $3, $4, $5, now() + interval '1 millisecond' * $5::bigint)
+INSERT INTO sessions (session_id, component, hostname, pid, version, lease_ms, deadline)
+VALUES ($1, $2, $3, $4, $5, $6, now() + interval '1 millisecond' * $6::bigint)
 RETURNING session_id, deadline
 `
 
 type SessionStartParams struct {
+	SessionID uuid.UUID
 	Component string
 	Hostname  string
 	Pid       int32
@@ -209,8 +242,11 @@ type SessionStartRow struct {
 }
 
 // SessionStart opens a session whose lease runs lease_ms from now (database time).
+// The caller chooses the id, so that a start whose reply was lost can still
+// be closed (SessionAbandon).
 func (q *Queries) SessionStart(ctx context.Context, arg SessionStartParams) (SessionStartRow, error) {
 	row := q.db.QueryRow(ctx, sessionStart,
+		arg.SessionID,
 		arg.Component,
 		arg.Hostname,
 		arg.Pid,

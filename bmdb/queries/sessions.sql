@@ -1,8 +1,20 @@
 -- name: SessionStart :one
 -- SessionStart opens a session whose lease runs lease_ms from now (database time).
-INSERT INTO sessions (component, hostname, pid, version, lease_ms, deadline)
-VALUES (@component, @hostname, @pid, @version, @lease_ms, now() + interval '1 millisecond' * @lease_ms::bigint)
+-- The caller chooses the id, so that a start whose reply was lost can still
+-- be closed (SessionAbandon).
+INSERT INTO sessions (session_id, component, hostname, pid, version, lease_ms, deadline)
+VALUES (@session_id, @component, @hostname, @pid, @version, @lease_ms, now() + interval '1 millisecond' * @lease_ms::bigint)
 RETURNING session_id, deadline;
+
+-- name: SessionAbandon :exec
+-- SessionAbandon closes a session whose start failed with its outcome
+-- unknown (the reply was lost, or the caller gave up waiting for it). It
+-- inserts the session closed if its start has not committed, so that a start
+-- still in flight then fails on the key instead of opening it; it closes it
+-- if it has. Nobody was told of the session, so it holds no work.
+INSERT INTO sessions (session_id, component, hostname, pid, version, lease_ms, deadline, closed_at)
+VALUES (@session_id, @component, @hostname, @pid, @version, @lease_ms, now(), now())
+ON CONFLICT (session_id) DO UPDATE SET closed_at = COALESCE(sessions.closed_at, now());
 
 -- name: SessionRenew :one
 -- SessionRenew moves the deadline of a live session; it returns no row once
