@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -150,4 +151,19 @@ func num(v float64) string {
 	default:
 		return fmt.Sprintf("%.3f", v)
 	}
+}
+
+// artefactDir creates and returns a new directory for a figure's artefacts
+// (profiles), under $BENCH_ARTEFACTS or the temporary directory, named by
+// the figure and the time, so that runs do not overwrite each other's.
+func artefactDir(figure string) (string, error) {
+	root := os.Getenv("BENCH_ARTEFACTS")
+	if root == "" {
+		root = filepath.Join(os.TempDir(), "shepherd-bench-artefacts")
+	}
+	dir := filepath.Join(root, figure+"-"+time.Now().UTC().Format("20060102T150405Z"))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", fmt.Errorf("creating the %s artefact directory: %w", figure, err)
+	}
+	return dir, nil
 }

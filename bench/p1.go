@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -81,12 +82,17 @@ func benchHeartbeats(ctx context.Context, e *env) error {
 		return fmt.Errorf("%d agents, transport only: %w", ceilingAgents, err)
 	}
 	limit := p1CeilingShare * ceiling
+	profiles, err := artefactDir("p1")
+	if err != nil {
+		return err
+	}
 	for _, n := range p1Agents {
-		batched, err := runHeartbeats(ctx, e, db, ids[:n], false)
+		profile := filepath.Join(profiles, fmt.Sprintf("cpu-%d.pb.gz", n))
+		batched, err := runHeartbeats(ctx, e, db, ids[:n], false, profile)
 		if err != nil {
 			return fmt.Errorf("%d agents, batched: %w", n, err)
 		}
-		single, err := runHeartbeats(ctx, e, db, ids[:n], true)
+		single, err := runHeartbeats(ctx, e, db, ids[:n], true, "")
 		if err != nil {
 			return fmt.Errorf("%d agents, one transaction each: %w", n, err)
 		}
@@ -96,7 +102,7 @@ func benchHeartbeats(ctx context.Context, e *env) error {
 			"agents", n, "mean_batch", batched.meanBatch, "p99_ms", batched.p99ms,
 			"server_cpu_us", batched.serverCPUus, "postgres_cpu_us", batched.pgCPUus, "loadgen_cpu_us", batched.loadgenCPUus,
 			"baseline_server_cpu_us", single.serverCPUus, "baseline_postgres_cpu_us", single.pgCPUus,
-			"seconds", p1Measure.Seconds())
+			"seconds", p1Measure.Seconds(), "profile", profile)
 	}
 	return nil
 }
@@ -154,8 +160,11 @@ type heartbeatResult struct {
 
 // runHeartbeats starts a callback server, has the load generator connect
 // every agent and send heartbeats back to back, and measures what the
-// server accepted (and the CPU everyone used) in the measuring window.
-func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, unbatched bool) (heartbeatResult, error) {
+// server accepted (and the CPU everyone used) in the measuring window. If
+// profile is not empty, a CPU profile of this process (the server and its
+// database client) under the same load is written there during the warm-up,
+// so that profiling costs the measured window nothing.
+func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, unbatched bool, profile string) (heartbeatResult, error) {
 	reg := prometheus.NewRegistry()
 	dir, err := os.MkdirTemp("", "shepherd-bench-p1-")
 	if err != nil {
@@ -191,7 +200,9 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 	if err := lg.start(); err != nil {
 		return heartbeatResult{}, err
 	}
-	sleepCtx(ctx, p1Warmup)
+	if err := sleepProfiled(ctx, p1Warmup, profile); err != nil {
+		return heartbeatResult{}, err
+	}
 	acc0, batches0, sum0 := serverCounts(reg)
 	srv0, pg0, lg0 := processCPU(), postgresCPU(e.srv.DataDir()), pidCPUOrZero(lg.cmd.Process.Pid)
 	start := time.Now()
@@ -481,4 +492,26 @@ func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
 		}
 	}
 	return 0
+}
+
+// sleepProfiled waits d (or until ctx ends), writing a CPU profile of this
+// process for that time to path if path is not empty. When a profile of the
+// whole run is already being taken (BENCH_CPUPROFILE), it only waits: Go
+// profiles one thing at a time.
+func sleepProfiled(ctx context.Context, d time.Duration, path string) error {
+	if path == "" || os.Getenv("BENCH_CPUPROFILE") != "" {
+		sleepCtx(ctx, d)
+		return nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("creating the CPU profile: %w", err)
+	}
+	defer f.Close()
+	if err := pprof.StartCPUProfile(f); err != nil {
+		return fmt.Errorf("starting the CPU profile: %w", err)
+	}
+	sleepCtx(ctx, d)
+	pprof.StopCPUProfile()
+	return f.Close()
 }

@@ -98,12 +98,8 @@ func benchMemory(ctx context.Context, e *env) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	profiles := os.Getenv("BENCH_ARTEFACTS")
-	if profiles == "" {
-		profiles = filepath.Join(os.TempDir(), "shepherd-bench-artefacts")
-	}
-	profiles = filepath.Join(profiles, "p5-"+time.Now().UTC().Format("20060102T150405Z"))
-	if err := os.MkdirAll(profiles, 0o755); err != nil {
+	profiles, err := artefactDir("p5")
+	if err != nil {
 		return err
 	}
 
