@@ -77,7 +77,7 @@ func benchHeartbeats(ctx context.Context, e *env) error {
 	// in seconds, and a trivial server gets its highest rate from few
 	// connections, so the limit it sets for larger fleets is the harder one.
 	ceilingAgents := slices.Min(p1Agents)
-	ceiling, err := transportCeiling(ctx, ids[:ceilingAgents])
+	ceiling, transportCPU, err := transportCeiling(ctx, ids[:ceilingAgents])
 	if err != nil {
 		return fmt.Errorf("%d agents, transport only: %w", ceilingAgents, err)
 	}
@@ -99,6 +99,7 @@ func benchHeartbeats(ctx context.Context, e *env) error {
 		report("P1", "heartbeats_per_s", batched.perSecond,
 			"baseline", single.perSecond, "ratio", batched.perSecond/single.perSecond,
 			"limit", limit, "limit_ratio", batched.perSecond/limit, "transport_ceiling", ceiling, "ceiling_agents", ceilingAgents,
+			"transport_server_cpu_us", transportCPU,
 			"agents", n, "mean_batch", batched.meanBatch, "p99_ms", batched.p99ms,
 			"server_cpu_us", batched.serverCPUus, "postgres_cpu_us", batched.pgCPUus, "loadgen_cpu_us", batched.loadgenCPUus,
 			"baseline_server_cpu_us", single.serverCPUus, "baseline_postgres_cpu_us", single.pgCPUus,
