@@ -295,6 +295,20 @@ func TestUnavailable(t *testing.T) {
 	}
 }
 
+// warmUpStart starts and closes a session, so that the connection has the
+// start's statement prepared and a start whose reply is to be lost is sent
+// whole.
+func warmUpStart(t *testing.T, db *bmdbtest.DB) {
+	t.Helper()
+	warm, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "warm-up", Lease: lease})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestStartWithLostReplyLeavesNoSession starts a session whose INSERT
 // commits but whose reply never arrives: once the connection breaks, once the
 // caller gives up first (its context ends, as when `shepherd run` stops its
@@ -310,13 +324,7 @@ func TestStartWithLostReplyLeavesNoSession(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			db, proxy := behindProxy(t)
-			warm, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "warm-up", Lease: lease})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Close(t.Context()); err != nil {
-				t.Fatal(err)
-			}
+			warmUpStart(t, db)
 			started := func() int64 {
 				return bmdbtest.Scalar[int64](t, db, "SELECT count(*) FROM sessions WHERE component = 'lost-start'")
 			}
@@ -343,7 +351,7 @@ func TestStartWithLostReplyLeavesNoSession(t *testing.T) {
 				cancel()
 			}
 			proxy.SetMode(tcpproxy.Pass) // resets the connection that lost the reply
-			err = <-result
+			err := <-result
 			if err == nil || !(bmdb.Unavailable(err) || errors.Is(err, context.Canceled)) {
 				t.Fatalf("StartSession with its reply lost: %v, want an error that says the database was unavailable or the caller gave up", err)
 			}
@@ -367,13 +375,7 @@ func TestStartWithLostReplyLeavesNoSession(t *testing.T) {
 func TestStartCommittingAfterItsAbandonIsClosed(t *testing.T) {
 	t.Parallel()
 	db, proxy := behindProxy(t)
-	warm, err := db.StartSession(t.Context(), bmdb.SessionConfig{Component: "warm-up", Lease: lease})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Close(t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	warmUpStart(t, db)
 	const key = 4711
 	db.Exec(t, fmt.Sprintf(`CREATE FUNCTION hold_start() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN
