@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"path"
-	"strings"
 	"time"
 
 	"github.com/pkg/sftp"
@@ -15,6 +14,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/shellquote"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -254,7 +254,7 @@ func stopOverSSH(ctx context.Context, target sshx.Target, dir string) error {
 			return err
 		}
 	}
-	cmd := strings.Join([]string{shellQuote(path.Join(dir, "shepherd-agent")), "stop", "--state-dir", shellQuote(path.Join(dir, "state"))}, " ")
+	cmd := shellquote.Join(path.Join(dir, "shepherd-agent"), "stop", "--state-dir", path.Join(dir, "state"))
 	_, err = sshx.Run(ctx, client, cmd, nil, 64<<10)
 	return err
 }

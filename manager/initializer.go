@@ -23,6 +23,7 @@ import (
 
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/bmdb"
+	"github.com/shepherd/shepherd/internal/shellquote"
 	"github.com/shepherd/shepherd/internal/sshx"
 	"github.com/shepherd/shepherd/provider"
 )
@@ -196,8 +197,8 @@ func (in *Initializer) startAgent(ctx context.Context, t *Task) (FinishFunc, err
 	if err != nil {
 		return nil, err
 	}
-	args := append([]string{shellQuote(bin), "takeover", "--state-dir", shellQuote(path.Join(dir, "state"))}, quoteAll(in.cfg.AgentArgs)...)
-	out, err := sshx.Run(ectx, client, strings.Join(args, " "), stdin, 1<<20)
+	cmd := shellquote.Join(append([]string{bin, "takeover", "--state-dir", path.Join(dir, "state")}, in.cfg.AgentArgs...)...)
+	out, err := sshx.Run(ectx, client, cmd, stdin, 1<<20)
 	if err != nil {
 		if ectx.Err() != nil {
 			return nil, fmt.Errorf("running the agent's takeover on %s: exec timeout (%s) exceeded", target.Addr, in.cfg.ExecTimeout)
@@ -341,19 +342,6 @@ func safePathElem(s string) string {
 		return out
 	}
 	return "_"
-}
-
-// shellQuote quotes s for a POSIX shell.
-func shellQuote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
-}
-
-func quoteAll(args []string) []string {
-	out := make([]string, len(args))
-	for i, a := range args {
-		out[i] = shellQuote(a)
-	}
-	return out
 }
 
 func truncate(s string, n int) string {

@@ -27,6 +27,8 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+
+	"github.com/shepherd/shepherd/internal/shellquote"
 )
 
 // target is a package under mutation testing and the part of it that is.
@@ -408,15 +410,10 @@ func relativeGit(dir string) (string, error) {
 		return "", err
 	}
 	script := fmt.Sprintf("#!/bin/sh\nif [ \"$1\" = diff ]; then\n\tshift\n\texec %s diff --relative=%s/ \"$@\"\nfi\nexec %s \"$@\"\n",
-		shellQuote(real), shellQuote(path.Clean(dir)), shellQuote(real))
+		shellquote.Quote(real), shellquote.Quote(path.Clean(dir)), shellquote.Quote(real))
 	if err := os.WriteFile(filepath.Join(bin, "git"), []byte(script), 0o755); err != nil {
 		os.RemoveAll(bin)
 		return "", err
 	}
 	return bin, nil
-}
-
-// shellQuote quotes s for sh.
-func shellQuote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

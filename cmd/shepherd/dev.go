@@ -16,6 +16,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/internal/pgserver"
+	"github.com/shepherd/shepherd/internal/shellquote"
 	"github.com/shepherd/shepherd/provider"
 	"github.com/shepherd/shepherd/provider/equinix"
 )
@@ -133,7 +134,7 @@ func newDevCommand() *cobra.Command {
 				}
 				if api.URL != "" {
 					fmt.Fprintf(out, "shepherd dev: fake Equinix Metal API at %s, token in %s; try the equinix CLI against it:\n    shepherd equinix --config %s --database-url %s devices list\n",
-						api.URL, api.TokenFile, shellQuote(api.ConfigFile), shellQuote(url))
+						api.URL, api.TokenFile, shellquote.Readable(api.ConfigFile), shellquote.Readable(url))
 				}
 				go progress(ctx, out, s, machines)
 			})
@@ -168,14 +169,6 @@ func newDevCommand() *cobra.Command {
 	// run's wording says the web UI is off by default; in dev it is on.
 	fl.Lookup("web-listen").Usage = `address to serve the web UI on; "" turns it off (a taken default port falls back to a free one)`
 	return cmd
-}
-
-// shellQuote quotes s for a POSIX shell if it needs it.
-func shellQuote(s string) string {
-	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:@=,+%") == "" {
-		return s
-	}
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // ensureDatabase creates database on the server at adminURL unless it exists.

@@ -27,6 +27,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/shepherd/shepherd/internal/eventually"
+	"github.com/shepherd/shepherd/internal/shellquote"
 )
 
 func TestMain(m *testing.M) {
@@ -139,9 +140,6 @@ func mustRun(t *testing.T, c *ssh.Client, cmd string) string {
 	}
 	return out
 }
-
-// shellQuote quotes s for /bin/sh.
-func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // newSFTP opens an SFTP session on c, closed when the test ends.
 func newSFTP(t *testing.T, c *ssh.Client) *sftp.Client {
@@ -314,7 +312,7 @@ func TestCommandsAndSFTP(t *testing.T) {
 				logStep("uploading 2 MiB")
 				sum := sha256.Sum256(payload)
 				want := hex.EncodeToString(sum[:]) + " 755\n"
-				q := shellQuote(target)
+				q := shellquote.Quote(target)
 				if got := mustRun(t, c, "echo $(sha256sum < "+q+" | cut -d' ' -f1) $(stat -c %a "+q+")"); got != want {
 					t.Errorf("uploaded payload: sha256 and mode %q, want %q", got, want)
 				}
@@ -322,7 +320,7 @@ func TestCommandsAndSFTP(t *testing.T) {
 
 				script := filepath.Join(h.Dir, "script")
 				upload(t, sc, script, []byte("#!/bin/sh\necho script-ran\n"), 0o755)
-				if got := mustRun(t, c, shellQuote(script)); got != "script-ran\n" {
+				if got := mustRun(t, c, shellquote.Quote(script)); got != "script-ran\n" {
 					t.Errorf("running uploaded script: output %q, want %q", got, "script-ran\n")
 				}
 				logStep("uploading and running a script")
@@ -590,7 +588,7 @@ func TestSIGHUPThroughSSH(t *testing.T) {
 			return
 		}
 		pid := readPID(t, h)
-		mustRun(t, mustDial(t, h, key), "kill -HUP $(cat "+shellQuote(h.PIDFile())+")")
+		mustRun(t, mustDial(t, h, key), "kill -HUP $(cat "+shellquote.Quote(h.PIDFile())+")")
 		start := time.Now()
 		eventually.Holds(t, 10*time.Second, "login after SIGHUP", func(ctx context.Context) (bool, error) {
 			// Only log in: a command's duration depends on the login shell's
@@ -669,7 +667,7 @@ func TestOddDirectoryNames(t *testing.T) {
 			}
 			c := mustDial(t, h, key)
 			upload(t, newSFTP(t, c), filepath.Join(h.Dir, "f"), []byte("#!/bin/sh\necho odd-ok\n"), 0o755)
-			if got := mustRun(t, c, shellQuote(filepath.Join(h.Dir, "f"))); got != "odd-ok\n" {
+			if got := mustRun(t, c, shellquote.Quote(filepath.Join(h.Dir, "f"))); got != "odd-ok\n" {
 				t.Errorf("got %q", got)
 			}
 			h.Restart(t)
@@ -942,7 +940,7 @@ func TestRunJustUploadedWhileOthersRun(t *testing.T) {
 	for i := range 300 {
 		path := filepath.Join(h.Dir, fmt.Sprintf("exe-%d", i))
 		upload(t, sc, path, exe, 0o755)
-		if _, errOut, status := run(t, c, shellQuote(path), ""); status != 0 {
+		if _, errOut, status := run(t, c, shellquote.Quote(path), ""); status != 0 {
 			t.Fatalf("run %d of a just-uploaded executable exited with status %d: %q", i, status, errOut)
 		}
 	}

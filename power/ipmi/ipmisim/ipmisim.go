@@ -47,6 +47,7 @@ import (
 	"github.com/bougou/go-ipmi/pkg/types"
 
 	"github.com/shepherd/shepherd/internal/secret"
+	"github.com/shepherd/shepherd/internal/shellquote"
 	"github.com/shepherd/shepherd/power"
 )
 
@@ -262,7 +263,7 @@ set_working_mc 0x20
 func hookScript(dir string, on, off []string) string {
 	return `#!/bin/sh
 # Written by ipmisim: ipmi_sim's chassis_control program.
-dir=` + shellQuote(dir) + `
+dir=` + shellquote.Quote(dir) + `
 shift # the device (IPMB address)
 echo "$*" >>"$dir/calls"
 power_on() { ` + shellCommand(on) + `; }
@@ -312,15 +313,7 @@ func shellCommand(argv []string) string {
 	if len(argv) == 0 {
 		return ":"
 	}
-	q := make([]string, len(argv))
-	for i, a := range argv {
-		q[i] = shellQuote(a)
-	}
-	return strings.Join(q, " ")
-}
-
-func shellQuote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+	return shellquote.Join(argv...)
 }
 
 // start writes lan.conf for b.Addr, starts ipmi_sim and waits until it
