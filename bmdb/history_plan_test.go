@@ -63,3 +63,26 @@ func TestHistoryFiltersReadBoundedBuffers(t *testing.T) {
 		}
 	}
 }
+
+// TestHistoryAppendsLeaveTimeIndexAlone checks that the history rows a
+// fresh database's first claims write land in an unsummarized range of
+// work_history_at (migration 00021), so that appending them writes nothing
+// to the index: brin_summarize_range finds the range still to summarize.
+// A summarized range would have its summary moved by each row, a WAL
+// record per row that the commits wait for.
+func TestHistoryAppendsLeaveTimeIndexAlone(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	s := bmdbtest.Session(t, db, "test", time.Minute)
+	bmdbtest.AddMachine(t, db, s, "p")
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(t.Context(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if n := bmdbtest.Scalar[int64](t, db, `SELECT brin_summarize_range('work_history_at', 0)`); n != 1 {
+		t.Errorf("brin_summarize_range summarized %d ranges, want 1: the range the history was appended to was summarized already", n)
+	}
+}
