@@ -43,11 +43,11 @@ func benchClaimFinish(ctx context.Context, e *env) error {
 		return err
 	}
 
-	skip, err := runCycles(ctx, db, reg, bmdb.ClaimSkipLocked)
+	skip, err := runCycles(ctx, db, url, reg, bmdb.ClaimSkipLocked)
 	if err != nil {
 		return fmt.Errorf("skip-locked cycles: %w", err)
 	}
-	plain, err := runCycles(ctx, db, reg, bmdb.ClaimPlainLimit)
+	plain, err := runCycles(ctx, db, url, reg, bmdb.ClaimPlainLimit)
 	if err != nil {
 		return fmt.Errorf("plain-limit cycles: %w", err)
 	}
@@ -59,7 +59,7 @@ func benchClaimFinish(ctx context.Context, e *env) error {
 		"baseline", plain.perSecond, "ratio", skip.perSecond/plain.perSecond,
 		"limit", tps, "limit_ratio", skip.perSecond/tps,
 		"workers", p2Workers, "machines", p2Machines,
-		"conflict_pct", 100*skip.conflictRate, "retry_pct", 100*skip.retryRate,
+		"conflict_pct", 100*skip.conflictRate, "retry_pct", 100*skip.retryRate, "wal_bytes_per_cycle", skip.walPerCycle,
 		"baseline_conflict_pct", 100*plain.conflictRate, "baseline_empty_claim_pct", 100*plain.emptyRate,
 		"seconds", p2Measure.Seconds())
 	return nil
@@ -98,12 +98,18 @@ type cycleResult struct {
 	conflictRate float64 // claims that lost a race, per cycle
 	retryRate    float64 // transactions retried after 40001/40P01, per cycle
 	emptyRate    float64 // claims that came back with nothing, per cycle
+	// walPerCycle is the WAL the server wrote in the measuring window per
+	// cycle. The cycle waits on WAL flushes, and unlike the rate this does
+	// not move with the load of other processes on the machine, so it is the
+	// number to compare when a change is meant to make the cycle cheaper.
+	walPerCycle float64
 }
 
 // runCycles runs p2Workers workers that claim an agent-start candidate and
 // finish it straight away (without tag changes, so the machine stays a
 // candidate), and counts cycles in the measuring window after a warm-up.
-func runCycles(ctx context.Context, db *bmdb.DB, reg *prometheus.Registry, strategy bmdb.ClaimStrategy) (cycleResult, error) {
+// url is db's database, on which it reads the WAL position.
+func runCycles(ctx context.Context, db *bmdb.DB, url string, reg *prometheus.Registry, strategy bmdb.ClaimStrategy) (cycleResult, error) {
 	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench", ClaimStrategy: strategy})
 	if err != nil {
 		return cycleResult{}, err
@@ -149,16 +155,21 @@ func runCycles(ctx context.Context, db *bmdb.DB, reg *prometheus.Registry, strat
 	}
 	sleepCtx(runCtx, p2Warmup)
 	conflicts0, retries0 := counter(reg, "shepherd_bmdb_work_claim_conflicts_total"), counter(reg, "shepherd_bmdb_transaction_retries_total")
+	wal0, walErr0 := walPosition(ctx, url)
 	measuring.Store(true)
 	start := time.Now()
 	sleepCtx(runCtx, p2Measure)
 	measuring.Store(false)
 	elapsed := time.Since(start)
+	wal1, walErr1 := walPosition(ctx, url)
 	conflicts, retries := counter(reg, "shepherd_bmdb_work_claim_conflicts_total")-conflicts0, counter(reg, "shepherd_bmdb_transaction_retries_total")-retries0
 	cancel()
 	wg.Wait()
 	if firstErr != nil {
 		return cycleResult{}, firstErr
+	}
+	if err := errors.Join(walErr0, walErr1); err != nil {
+		return cycleResult{}, fmt.Errorf("reading the WAL position: %w", err)
 	}
 	n := float64(cycles.Load())
 	if n == 0 {
@@ -169,7 +180,15 @@ func runCycles(ctx context.Context, db *bmdb.DB, reg *prometheus.Registry, strat
 		conflictRate: conflicts / n,
 		retryRate:    retries / n,
 		emptyRate:    float64(empty.Load()) / n,
+		walPerCycle:  (wal1 - wal0) / n,
 	}, nil
+}
+
+// walPosition is the server's current WAL insert position in bytes.
+func walPosition(ctx context.Context, url string) (float64, error) {
+	var pos float64
+	err := runQuery(ctx, url, "SELECT (pg_current_wal_lsn() - '0/0')::float8", &pos)
+	return pos, err
 }
 
 // counter sums every series of a counter family in reg.

@@ -14,7 +14,7 @@ import (
 // ExplainUpdateProvided returns the plan of the statement UpdateProvided
 // sends for updates, without running it.
 func (db *DB) ExplainUpdateProvided(ctx context.Context, provider string, updates []ProvidedUpdate) (string, error) {
-	return db.explainCaptured(ctx, func(q *model.Queries) error {
+	return db.explainCaptured(ctx, "EXPLAIN ", func(q *model.Queries) error {
 		_, err := (&Tx{q: q}).UpdateProvided(ctx, provider, updates)
 		return err
 	})
@@ -23,19 +23,30 @@ func (db *DB) ExplainUpdateProvided(ctx context.Context, provider string, update
 // ExplainProviderHasStatus returns the plan of the statement
 // ProviderHasStatus sends, without running it.
 func (db *DB) ExplainProviderHasStatus(ctx context.Context, provider string, statuses ...ProviderStatus) (string, error) {
-	return db.explainCaptured(ctx, func(q *model.Queries) error {
+	return db.explainCaptured(ctx, "EXPLAIN ", func(q *model.Queries) error {
 		_, err := (&DB{q: q}).ProviderHasStatus(ctx, provider, statuses...)
 		return err
 	})
 }
 
-// explainCaptured captures the statement run sends and explains it.
-func (db *DB) explainCaptured(ctx context.Context, run func(q *model.Queries) error) (string, error) {
+// ExplainAnalyzeHistory returns the EXPLAIN (ANALYZE, BUFFERS) plan of the
+// statement History sends for f: it runs, and the plan says how many
+// buffers it touched.
+func (db *DB) ExplainAnalyzeHistory(ctx context.Context, f HistoryFilter) (string, error) {
+	return db.explainCaptured(ctx, "EXPLAIN (ANALYZE, BUFFERS) ", func(q *model.Queries) error {
+		_, err := (&DB{q: q}).History(ctx, f)
+		return err
+	})
+}
+
+// explainCaptured captures the statement run sends and explains it with
+// explain ("EXPLAIN ", or with options).
+func (db *DB) explainCaptured(ctx context.Context, explain string, run func(q *model.Queries) error) (string, error) {
 	var capt capturedQuery
 	if err := run(model.New(&capt)); !errors.Is(err, errCaptured) {
 		return "", fmt.Errorf("capturing the statement: %v", err)
 	}
-	rows, err := db.pool.Query(ctx, "EXPLAIN "+capt.sql, capt.args...)
+	rows, err := db.pool.Query(ctx, explain+capt.sql, capt.args...)
 	if err != nil {
 		return "", err
 	}
