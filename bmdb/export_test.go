@@ -29,13 +29,29 @@ func (db *DB) ExplainProviderHasStatus(ctx context.Context, provider string, sta
 	})
 }
 
+// ExplainAnalyzeMatching returns the plan of the statement CountMatching
+// sends for c, run with EXPLAIN (ANALYZE, BUFFERS), so that it says how
+// many buffers the count touched.
+func (db *DB) ExplainAnalyzeMatching(ctx context.Context, c Candidates) (string, error) {
+	return db.explainCapturedWith(ctx, "EXPLAIN (ANALYZE, BUFFERS) ", func(q *model.Queries) error {
+		_, err := c.matching(ctx, q)
+		return err
+	})
+}
+
 // explainCaptured captures the statement run sends and explains it.
 func (db *DB) explainCaptured(ctx context.Context, run func(q *model.Queries) error) (string, error) {
+	return db.explainCapturedWith(ctx, "EXPLAIN ", run)
+}
+
+// explainCapturedWith is explainCaptured with explain (EXPLAIN and its
+// options) in front of the statement.
+func (db *DB) explainCapturedWith(ctx context.Context, explain string, run func(q *model.Queries) error) (string, error) {
 	var capt capturedQuery
 	if err := run(model.New(&capt)); !errors.Is(err, errCaptured) {
 		return "", fmt.Errorf("capturing the statement: %v", err)
 	}
-	rows, err := db.pool.Query(ctx, "EXPLAIN "+capt.sql, capt.args...)
+	rows, err := db.pool.Query(ctx, explain+capt.sql, capt.args...)
 	if err != nil {
 		return "", err
 	}

@@ -75,6 +75,19 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 	if n, err := db.CountMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0)); err != nil || n != held+10 {
 		t.Errorf("silent machines by tags: %d (%v), want %d", n, err, held+10)
 	}
+	// It reads the held machines' entries of machine_provided_recovery_held
+	// and their rows, and the few recent unwatched heartbeats (about 200
+	// buffers for 5,000 held machines), not each held machine's heartbeat:
+	// asked whether each heartbeat is old, the count probed
+	// machine_agent_heartbeat once per held machine (4 buffers each) or read
+	// it whole (1,200 buffers here; issue 17 item 4).
+	plan, err := db.ExplainAnalyzeMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := planBuffers(t, plan); b > 500 {
+		t.Errorf("the matching count touched %d buffers with %d machines held:\n%s", b, held, plan)
+	}
 
 	// A hold that ends makes the machine a candidate again, without
 	// anything else changing: three backoffs end in a moment.

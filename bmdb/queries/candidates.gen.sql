@@ -553,9 +553,20 @@ CROSS JOIN (SELECT count(*) AS expired_count,
 -- Machines in Recovery backoff or quarantine are held (migration 00014) and
 -- in neither index; the third arm reads them from
 -- machine_provided_recovery_held in order of the end of their hold, only
--- those whose hold has ended. Machines the provider lost (Missing) or
--- powered off (Stopped) are not silent: there is no agent to recover, and a
--- reboot could only fail.
+-- those whose hold has ended. A held machine that is Heartbeating is silent
+-- unless its heartbeat is recent: it has a heartbeat row (that is what the
+-- phase means) and the row is not watched (the hold clears the flag), so
+-- the arm asks whether it is among the few unwatched heartbeats that are
+-- recent, which machine_agent_heartbeat_unwatched (migration 00021) holds
+-- in order of time; NOT h.watched selects that partial index, and its key
+-- is an expression so that the planner has statistics of unwatched
+-- heartbeat times alone (those of all heartbeats, nearly all recent, made
+-- it read the table whole). Asked the other way round, whether the
+-- heartbeat is old, it cost an index probe per held machine, and the
+-- matching count (the circuit breaker's, which keeps held machines) reads
+-- them all: with 2,000 held, 8,000 buffers per count. Machines the
+-- provider lost (Missing) or powered off (Stopped) are not silent: there is
+-- no agent to recover, and a reboot could only fail.
 --
 -- Silence that overlaps the callback servers' own inability to record
 -- heartbeats does not count: no machine is silent while a heartbeat
@@ -598,8 +609,10 @@ FROM (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
@@ -649,8 +662,10 @@ FROM (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
@@ -701,8 +716,10 @@ FROM (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c;
 
@@ -745,8 +762,10 @@ SELECT EXISTS (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
     ) c
     WHERE c.machine_id = @machine_id::uuid
@@ -819,8 +838,10 @@ WITH candidate AS (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -945,8 +966,10 @@ WITH candidate AS (
                 AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
                               AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
