@@ -653,8 +653,8 @@ WITH candidate AS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
@@ -849,8 +849,8 @@ WITH candidate AS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
@@ -1121,8 +1121,8 @@ FROM (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
@@ -1193,8 +1193,8 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
@@ -1422,8 +1422,8 @@ FROM (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
@@ -1478,7 +1478,11 @@ type ListRecoveryCandidatesParams struct {
 // it read the table whole). Asked the other way round, whether the
 // heartbeat is old, it cost an index probe per held machine, and the
 // matching count (the circuit breaker's, which keeps held machines) reads
-// them all: with 2,000 held, 8,000 buffers per count. Machines the
+// them all: with 2,000 held, 8,000 buffers per count. The start time of
+// a held machine that never sent a heartbeat (its agent may have been
+// started again since its phase began) is read by its key, as a scalar
+// subquery: as an EXISTS, the planner, expecting many held machines, could
+// hash every started agent of the fleet to answer it. Machines the
 // provider lost (Missing) or powered off (Stopped) are not silent: there is
 // no agent to recover, and a reboot could only fail.
 //
@@ -1549,8 +1553,8 @@ SELECT EXISTS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * $2::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * $2::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * $2::bigint)
                OR (p.agent_phase = 'Heartbeating'
                 AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                                   AND NOT h.watched
