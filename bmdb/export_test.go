@@ -39,6 +39,16 @@ func (db *DB) ExplainAnalyzeHistory(ctx context.Context, f HistoryFilter) (strin
 	})
 }
 
+// ExplainAnalyzeMatching returns the plan of the statement CountMatching
+// sends for c, run with EXPLAIN (ANALYZE, BUFFERS), so that it says how
+// many buffers the count touched.
+func (db *DB) ExplainAnalyzeMatching(ctx context.Context, c Candidates) (string, error) {
+	return db.explainCaptured(ctx, "EXPLAIN (ANALYZE, BUFFERS) ", func(q *model.Queries) error {
+		_, err := c.matching(ctx, q)
+		return err
+	})
+}
+
 // explainCaptured captures the statement run sends and explains it with
 // explain ("EXPLAIN ", or with options).
 func (db *DB) explainCaptured(ctx context.Context, explain string, run func(q *model.Queries) error) (string, error) {

@@ -36,8 +36,14 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
 	const held = 5000
+	// A few machines whose agent never sent a heartbeat failed recovery
+	// too: they are held, and silent.
+	const heldNeverHeartbeat = 20
 	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: 60_000, AwaitingAgent: held + 10, Stale: held + 10,
-		AgentStartHeld: held, RecoveryHeld: held, Decommissioning: held + 10, DecommissionHeld: held})
+		NeverHeartbeat: heldNeverHeartbeat, AgentStartHeld: held, RecoveryHeld: held, Decommissioning: held + 10, DecommissionHeld: held})
+	db.Exec(t, `INSERT INTO work_backoff (machine_id, process, backoff_until, cause, last_interval_ms, attempts)
+		SELECT machine_id, 'Recovery', now() + interval '1 hour', 'test: held', 3600000, 5
+		FROM machine_provided WHERE provider = 'p' AND agent_phase = 'AwaitingFirstHeartbeat'`)
 	// Quarantines are held too, for good.
 	db.Exec(t, `UPDATE work_backoff SET quarantined_at = now() WHERE machine_id IN (
 		SELECT machine_id FROM work_backoff ORDER BY machine_id LIMIT 500)`)
@@ -72,8 +78,23 @@ func TestBackedOffMachinesLeaveCandidateRange(t *testing.T) {
 
 	// The matching count (the breaker's "silent") still counts held
 	// machines: they are silent, whatever backoff they wait in.
-	if n, err := db.CountMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0)); err != nil || n != held+10 {
-		t.Errorf("silent machines by tags: %d (%v), want %d", n, err, held+10)
+	if n, err := db.CountMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0)); err != nil || n != held+10+heldNeverHeartbeat {
+		t.Errorf("silent machines by tags: %d (%v), want %d", n, err, held+10+heldNeverHeartbeat)
+	}
+	// It reads the held machines' entries of machine_provided_recovery_held
+	// and their rows, the few recent unwatched heartbeats, and the start of
+	// each held machine that never sent a heartbeat (about 300 buffers), not
+	// each held machine's heartbeat: asked whether each heartbeat is old,
+	// the count probed machine_agent_heartbeat once per held machine (4
+	// buffers each) or read it whole (1,200 buffers here), and it read
+	// machine_agent_started whole to check the start of the machines that
+	// never sent one (issue 17 item 4).
+	plan, err := db.ExplainAnalyzeMatching(t.Context(), bmdb.RecoveryCandidates("p", 0, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := planBuffers(t, plan); b > 500 {
+		t.Errorf("the matching count touched %d buffers with %d machines held:\n%s", b, held, plan)
 	}
 
 	// A hold that ends makes the machine a candidate again, without

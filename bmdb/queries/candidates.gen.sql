@@ -553,9 +553,24 @@ CROSS JOIN (SELECT count(*) AS expired_count,
 -- Machines in Recovery backoff or quarantine are held (migration 00014) and
 -- in neither index; the third arm reads them from
 -- machine_provided_recovery_held in order of the end of their hold, only
--- those whose hold has ended. Machines the provider lost (Missing) or
--- powered off (Stopped) are not silent: there is no agent to recover, and a
--- reboot could only fail.
+-- those whose hold has ended. A held machine that is Heartbeating is silent
+-- unless its heartbeat is recent: it has a heartbeat row (that is what the
+-- phase means) and the row is not watched (the hold clears the flag), so
+-- the arm asks whether it is among the few unwatched heartbeats that are
+-- recent, which machine_agent_heartbeat_unwatched (migration 00023) holds
+-- in order of time; NOT h.watched selects that partial index, and its key
+-- is an expression so that the planner has statistics of unwatched
+-- heartbeat times alone (those of all heartbeats, nearly all recent, made
+-- it read the table whole). Asked the other way round, whether the
+-- heartbeat is old, it cost an index probe per held machine, and the
+-- matching count (the circuit breaker's, which keeps held machines) reads
+-- them all: with 2,000 held, 8,000 buffers per count. The start time of
+-- a held machine that never sent a heartbeat (its agent may have been
+-- started again since its phase began) is read by its key, as a scalar
+-- subquery: as an EXISTS, the planner, expecting many held machines, could
+-- hash every started agent of the fleet to answer it. Machines the
+-- provider lost (Missing) or powered off (Stopped) are not silent: there is
+-- no agent to recover, and a reboot could only fail.
 --
 -- Silence that overlaps the callback servers' own inability to record
 -- heartbeats does not count: no machine is silent while a heartbeat
@@ -595,11 +610,13 @@ FROM (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
@@ -646,11 +663,13 @@ FROM (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c
 WHERE NOT EXISTS (
@@ -698,11 +717,13 @@ FROM (
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 ) c;
 
@@ -742,11 +763,13 @@ SELECT EXISTS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
     ) c
     WHERE c.machine_id = @machine_id::uuid
@@ -816,11 +839,13 @@ WITH candidate AS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -942,11 +967,13 @@ WITH candidate AS (
           AND p.recovery_held_until <= now()
           AND ((p.agent_phase = 'AwaitingFirstHeartbeat'
                 AND p.agent_phase_since < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint
-                AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id
-                              AND s.agent_started_at < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint))
+                AND (SELECT s.agent_started_at FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+                    < now() - interval '1 millisecond' * @first_heartbeat_timeout_ms::bigint)
                OR (p.agent_phase = 'Heartbeating'
-                AND EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                              AND h.agent_heartbeat_at < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
+                AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                                  AND NOT h.watched
+                                  AND (CASE WHEN NOT h.watched THEN h.agent_heartbeat_at END)
+                                      >= now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint)))
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
