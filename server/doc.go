@@ -122,7 +122,7 @@
 // about a microsecond. TLS stays for reports, installation requests (the
 // datagram reply tells the agent to call over TLS) and agents that do not
 // speak datagrams, which keeps old agents working. Until it is built, the
-// server keeps the connection-per-agent design above, which reaches 41 to
-// 59 % of the transport ceiling's rate (P1's limit_ratio against 0.8 of
-// it) and holds about 39 KiB per connected agent (P5).
+// server keeps the connection-per-agent design above, which reaches 33 to
+// 47 % of the transport ceiling's rate (P1's limit_ratio 0.41 to 0.59,
+// against 0.8 of it) and holds about 39 KiB per connected agent (P5).
 package server
