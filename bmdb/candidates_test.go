@@ -295,6 +295,11 @@ func TestRecoveryMatchingCount(t *testing.T) {
 	holdEnded := func(id uuid.UUID) {
 		f.db.Exec(f.t, "UPDATE machine_provided SET recovery_held_until = now() - interval '1 minute' WHERE machine_id = $1", id)
 	}
+	// stale: an agent started and last heard from three hours ago.
+	stale := func(id uuid.UUID) {
+		f.started(id, 3*hour)
+		f.heartbeat(id, 3*hour)
+	}
 	cases := []struct {
 		name     string
 		provider string
@@ -309,21 +314,18 @@ func TestRecoveryMatchingCount(t *testing.T) {
 		{"started an hour ago, heartbeat never came", "p", func(id uuid.UUID) { f.started(id, hour) }, true, false},
 		{"healthy", "p", func(id uuid.UUID) { f.started(id, 3*hour); f.heartbeat(id, min) }, false, false},
 		{"stale for an hour", "p", func(id uuid.UUID) { f.started(id, 3*hour); f.heartbeat(id, hour) }, true, false},
-		{"stale for three hours", "p", func(id uuid.UUID) { f.started(id, 3*hour); f.heartbeat(id, 3*hour) }, true, true},
-		{"stale, other provider", "q", func(id uuid.UUID) { f.started(id, 3*hour); f.heartbeat(id, 3*hour) }, false, false},
+		{"stale for three hours", "p", stale, true, true},
+		{"stale, other provider", "q", stale, false, false},
 		{"stale, lost by the provider", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.status(id, bmdb.ProviderStatusMissing)
 		}, false, false},
 		{"stale, recovered by a live session", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.work(id, bmdb.ProcessRecovery, false)
 		}, true, true},
 		{"stale, decommission requested", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.tx(func(ctx context.Context, tx *bmdb.Tx) error { return tx.RequestDecommission(ctx, id, "test", "gone") })
 		}, true, true},
 		// Held by a recovery backoff or quarantine.
@@ -333,54 +335,45 @@ func TestRecoveryMatchingCount(t *testing.T) {
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 		}, true, false},
 		{"stale for three hours, backed off", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 		}, true, true},
 		{"backed off, heartbeating again", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 			f.heartbeat(id, min)
 		}, false, false},
 		{"stale, quarantined", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, true)
 		}, true, true},
 		{"quarantined, heartbeating again", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, true)
 			f.heartbeat(id, min)
 		}, false, false},
 		{"stale, backoff ended", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 			holdEnded(id)
 		}, true, true},
 		{"backoff ended, heartbeating again", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 			holdEnded(id)
 			f.heartbeat(id, min)
 		}, false, false},
 		{"stale, backed off, recovered by a live session", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 			f.work(id, bmdb.ProcessRecovery, false)
 		}, true, true},
 		{"stale, backed off, other provider", "q", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 		}, false, false},
 		{"stale, backed off, stopped by the provider", "p", func(id uuid.UUID) {
-			f.started(id, 3*hour)
-			f.heartbeat(id, 3*hour)
+			stale(id)
 			f.backoff(id, bmdb.ProcessRecovery, hour, false)
 			f.status(id, bmdb.ProviderStatusStopped)
 		}, false, false},

@@ -75,13 +75,7 @@ func TestHistoryAppendsLeaveTimeIndexAlone(t *testing.T) {
 	db := bmdbtest.New(t)
 	s := bmdbtest.Session(t, db, "test", time.Minute)
 	bmdbtest.AddMachine(t, db, s, "p")
-	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Finish(t.Context(), nil); err != nil {
-		t.Fatal(err)
-	}
+	claimAndFinish(t, s)
 	if n := bmdbtest.Scalar[int64](t, db, `SELECT brin_summarize_range('work_history_at', 0)`); n != 1 {
 		t.Errorf("brin_summarize_range summarized %d ranges, want 1: the range the history was appended to was summarized already", n)
 	}

@@ -22,13 +22,7 @@ func TestClaimAndFinishLockNoMachineRow(t *testing.T) {
 	id := bmdbtest.AddMachine(t, db, s, "p")
 	// Adding the machine's tags locked it (their foreign keys do).
 	xmax0 := bmdbtest.Scalar[string](t, db, `SELECT xmax::text FROM machines WHERE machine_id = $1`, id)
-	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Finish(t.Context(), nil); err != nil {
-		t.Fatal(err)
-	}
+	claimAndFinish(t, s)
 	// A row lock sets xmax: the locker's transaction id, or a MultiXact.
 	if xmax := bmdbtest.Scalar[string](t, db, `SELECT xmax::text FROM machines WHERE machine_id = $1`, id); xmax != xmax0 {
 		t.Errorf("machines row has xmax %s after a claim and a finish, want %s (not locked since the machine was added)", xmax, xmax0)
@@ -48,12 +42,7 @@ func TestMachineChecks(t *testing.T) {
 		addWork    = `INSERT INTO work (machine_id, process, machine_exclusive, session_id) VALUES ($1, 'AgentStart', true, $2)`
 		addHistory = `INSERT INTO work_history (machine_id, process, event, session_id) VALUES ($1, 'Reinstall', 'Reset', $2)`
 	)
-	tests := []struct {
-		name    string
-		setup   string // run first; $1 is a machine, $2 a live session
-		sql     string // $1 is the machine, $2 the session
-		wantErr bool
-	}{
+	runChecks(t, []checkCase{
 		{"work of a machine", "", addWork, false},
 		{"work of no machine", "", `INSERT INTO work (machine_id, process, machine_exclusive, session_id) VALUES (gen_random_uuid(), 'AgentStart', true, $2) RETURNING $1::uuid`, true},
 		{"work moved to no machine", addWork, `UPDATE work SET machine_id = gen_random_uuid() WHERE machine_id = $1 AND session_id = $2`, true},
@@ -66,35 +55,26 @@ func TestMachineChecks(t *testing.T) {
 		{"changing the id of a machine with work", addWork, `UPDATE machines SET machine_id = gen_random_uuid() WHERE machine_id = $1 AND $2::uuid IS NOT NULL`, true},
 		{"changing the id of a machine history names", addHistory, `UPDATE machines SET machine_id = gen_random_uuid() WHERE machine_id = $1 AND $2::uuid IS NOT NULL`, true},
 		{"changing another column of a machine history names", addHistory, `UPDATE machines SET decommissioned_at = now() WHERE machine_id = $1 AND $2::uuid IS NOT NULL`, false},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			t.Parallel()
-			db := bmdbtest.New(t)
-			s := bmdbtest.Session(t, db, "test", time.Minute)
-			// A machine without tags, which nothing else references.
-			id := bmdbtest.Scalar[uuid.UUID](t, db, `INSERT INTO machines DEFAULT VALUES RETURNING machine_id`)
-			if tt.setup != "" {
-				db.Exec(t, tt.setup, id, s.ID())
-			}
-			_, err := db.Pool.Exec(t.Context(), tt.sql, id, s.ID())
-			if got := isForeignKeyViolation(err); got != tt.wantErr || (err != nil && !got) {
-				t.Fatalf("error = %v, want a foreign key violation: %t", err, tt.wantErr)
-			}
-		})
-	}
+	}, untaggedMachine)
 	// A deleted machine takes its work with it, as ON DELETE CASCADE did.
 	t.Run("deletion deletes the work", func(t *testing.T) {
 		t.Parallel()
 		db := bmdbtest.New(t)
 		s := bmdbtest.Session(t, db, "test", time.Minute)
-		id := bmdbtest.Scalar[uuid.UUID](t, db, `INSERT INTO machines DEFAULT VALUES RETURNING machine_id`)
+		id := untaggedMachine(t, db, s)
 		db.Exec(t, addWork, id, s.ID())
 		db.Exec(t, `DELETE FROM machines WHERE machine_id = $1`, id)
 		if n := bmdbtest.Scalar[int64](t, db, `SELECT count(*) FROM work WHERE machine_id = $1`, id); n != 0 {
 			t.Errorf("%d work rows of the deleted machine, want 0", n)
 		}
 	})
+}
+
+// untaggedMachine adds a machine without tags, which nothing else
+// references.
+func untaggedMachine(t *testing.T, db *bmdbtest.DB, _ *bmdb.Session) uuid.UUID {
+	t.Helper()
+	return bmdbtest.Scalar[uuid.UUID](t, db, `INSERT INTO machines DEFAULT VALUES RETURNING machine_id`)
 }
 
 // TestMachineStaysWhileNamed checks that a machine's deletion waits for a
@@ -114,7 +94,7 @@ func TestMachineStaysWhileNamed(t *testing.T) {
 			t.Parallel()
 			db := bmdbtest.New(t)
 			s := bmdbtest.Session(t, db, "test", time.Minute)
-			id := bmdbtest.Scalar[uuid.UUID](t, db, `INSERT INTO machines DEFAULT VALUES RETURNING machine_id`)
+			id := untaggedMachine(t, db, s)
 			ctx := t.Context()
 			tx, err := db.Pool.Begin(ctx)
 			if err != nil {

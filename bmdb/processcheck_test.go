@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/shepherd/shepherd/bmdb"
@@ -21,6 +22,52 @@ func isForeignKeyViolation(err error) bool {
 	return errors.As(err, &pe) && pe.Code == foreignKeyViolation
 }
 
+// claimAndFinish claims agent start on a machine of provider "p" for s and
+// finishes it: the cycle P2 measures. It returns the machine.
+func claimAndFinish(t *testing.T, s *bmdb.Session) uuid.UUID {
+	t.Helper()
+	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(t.Context(), nil); err != nil {
+		t.Fatal(err)
+	}
+	return w.MachineID
+}
+
+// checkCase is a statement that the checks replacing a foreign key (the
+// process checks, migration 00019; the machine checks, 00022) must let
+// through or refuse, as the foreign key did.
+type checkCase struct {
+	name    string
+	setup   string // run first; $1 is a machine, $2 a live session
+	sql     string // $1 is the machine, $2 the session
+	wantErr bool
+}
+
+// runChecks runs each case on a fresh database with a machine made by
+// addMachine, and checks it fails with a foreign key violation exactly when
+// it should.
+func runChecks(t *testing.T, cases []checkCase, addMachine func(t *testing.T, db *bmdbtest.DB, s *bmdb.Session) uuid.UUID) {
+	t.Helper()
+	for _, tt := range cases {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			db := bmdbtest.New(t)
+			s := bmdbtest.Session(t, db, "test", time.Minute)
+			id := addMachine(t, db, s)
+			if tt.setup != "" {
+				db.Exec(t, tt.setup, id, s.ID())
+			}
+			_, err := db.Pool.Exec(t.Context(), tt.sql, id, s.ID())
+			if got := isForeignKeyViolation(err); got != tt.wantErr || (err != nil && !got) {
+				t.Fatalf("error = %v, want a foreign key violation: %t", err, tt.wantErr)
+			}
+		})
+	}
+}
+
 // TestClaimAndFinishLockNoProcessRow checks that a claim and its finish
 // leave the processes row alone (migration 00019): every worker of a
 // process references the same row, and a row lock on it from each of them
@@ -31,18 +78,12 @@ func TestClaimAndFinishLockNoProcessRow(t *testing.T) {
 	db := bmdbtest.New(t)
 	s := bmdbtest.Session(t, db, "test", time.Minute)
 	bmdbtest.AddMachine(t, db, s, "p")
-	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, bmdb.AgentStartCandidates("p"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Finish(t.Context(), nil); err != nil {
-		t.Fatal(err)
-	}
+	id := claimAndFinish(t, s)
 	// A row lock sets xmax: the locker's transaction id, or a MultiXact.
 	if xmax := bmdbtest.Scalar[string](t, db, `SELECT xmax::text FROM processes WHERE process = 'AgentStart'`); xmax != "0" {
 		t.Errorf("processes row AgentStart has xmax %s after a claim and a finish, want 0 (not locked)", xmax)
 	}
-	if got := bmdbtest.History(t, db, w.MachineID); len(got) != 2 {
+	if got := bmdbtest.History(t, db, id); len(got) != 2 {
 		t.Errorf("history = %q, want Started and Finished", got)
 	}
 }
@@ -56,12 +97,7 @@ func TestProcessChecks(t *testing.T) {
 		addWork    = `INSERT INTO work (machine_id, process, machine_exclusive, session_id) VALUES ($1, 'AgentStart', true, $2)`
 		addHistory = `INSERT INTO work_history (machine_id, process, event, session_id) VALUES ($1, 'Reinstall', 'Reset', $2)`
 	)
-	tests := []struct {
-		name    string
-		setup   string // run first; $1 is a machine, $2 a live session
-		sql     string // $1 is the machine, $2 the session
-		wantErr bool
-	}{
+	runChecks(t, []checkCase{
 		{"work of a known process", "", addWork, false},
 		{"work of an unknown process", "", `INSERT INTO work (machine_id, process, machine_exclusive, session_id) VALUES ($1, 'Nope', true, $2)`, true},
 		{"work with the wrong exclusive flag", "", `INSERT INTO work (machine_id, process, machine_exclusive, session_id) VALUES ($1, 'ProviderUpdate', true, $2)`, true},
@@ -72,22 +108,9 @@ func TestProcessChecks(t *testing.T) {
 		{"history moved to an unknown process", addHistory, `UPDATE work_history SET process = 'Nope' WHERE machine_id = $1 AND session_id = $2`, true},
 		{"deleting a process nothing names", "", `DELETE FROM processes WHERE process = 'Reinstall' AND $1::uuid <> $2::uuid`, false},
 		{"deleting a process history names", addHistory, `DELETE FROM processes WHERE process = 'Reinstall' AND $1::uuid <> $2::uuid`, true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			t.Parallel()
-			db := bmdbtest.New(t)
-			s := bmdbtest.Session(t, db, "test", time.Minute)
-			id := bmdbtest.AddMachine(t, db, s, "p")
-			if tt.setup != "" {
-				db.Exec(t, tt.setup, id, s.ID())
-			}
-			_, err := db.Pool.Exec(t.Context(), tt.sql, id, s.ID())
-			if got := isForeignKeyViolation(err); got != tt.wantErr || (err != nil && !got) {
-				t.Fatalf("error = %v, want a foreign key violation: %t", err, tt.wantErr)
-			}
-		})
-	}
+	}, func(t *testing.T, db *bmdbtest.DB, s *bmdb.Session) uuid.UUID {
+		return bmdbtest.AddMachine(t, db, s, "p")
+	})
 }
 
 // TestProcessStaysWhileNamed checks that a process cannot be deleted, or
