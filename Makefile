@@ -62,6 +62,8 @@ FUZZTIME_DEFAULT := 20000x
 FUZZTIME ?=
 FUZZ_TARGETS := \
 	./server:FuzzParseHeartbeat \
+	./api/agent/pulse:FuzzParseRequest \
+	./api/agent/pulse:FuzzOpenReply \
 	./agent:FuzzTakeoverInit \
 	./agent/hwreport:FuzzParseCPUInfo \
 	./agent/hwreport:FuzzParseCPUList \

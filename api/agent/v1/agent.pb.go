@@ -419,8 +419,12 @@ type HeartbeatResponse struct {
 	// The generation of the installation report of the request that was
 	// stored; 0 if none.
 	InstallationReportRecorded int64 `protobuf:"varint,4,opt,name=installation_report_recorded,json=installationReportRecorded,proto3" json:"installation_report_recorded,omitempty"`
-	unknownFields              protoimpl.UnknownFields
-	sizeCache                  protoimpl.SizeCache
+	// Lets the agent send its next heartbeats as datagrams (package
+	// api/agent/pulse) instead of over TLS; unset if the server takes none.
+	// Agents that do not know the field keep calling over TLS.
+	DatagramGrant *DatagramGrant `protobuf:"bytes,5,opt,name=datagram_grant,json=datagramGrant,proto3" json:"datagram_grant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatResponse) Reset() {
@@ -481,6 +485,81 @@ func (x *HeartbeatResponse) GetInstallationReportRecorded() int64 {
 	return 0
 }
 
+func (x *HeartbeatResponse) GetDatagramGrant() *DatagramGrant {
+	if x != nil {
+		return x.DatagramGrant
+	}
+	return nil
+}
+
+// DatagramGrant is what an agent needs to send heartbeats as UDP datagrams.
+// The key is bound to the machine and the agent key of the TLS connection
+// that carried it: a recovery, which replaces the agent key, makes it
+// worthless at once.
+type DatagramGrant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The 32-byte MAC key of the datagrams. A secret: never log it.
+	Key []byte `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// The UDP port of the server, on the host of the server endpoint.
+	Port uint32 `protobuf:"varint,2,opt,name=port,proto3" json:"port,omitempty"`
+	// The counter of the next datagram must be greater than this (the server
+	// refuses replays by counter).
+	CounterFloor  uint64 `protobuf:"varint,3,opt,name=counter_floor,json=counterFloor,proto3" json:"counter_floor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DatagramGrant) Reset() {
+	*x = DatagramGrant{}
+	mi := &file_agent_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DatagramGrant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DatagramGrant) ProtoMessage() {}
+
+func (x *DatagramGrant) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DatagramGrant.ProtoReflect.Descriptor instead.
+func (*DatagramGrant) Descriptor() ([]byte, []int) {
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *DatagramGrant) GetKey() []byte {
+	if x != nil {
+		return x.Key
+	}
+	return nil
+}
+
+func (x *DatagramGrant) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *DatagramGrant) GetCounterFloor() uint64 {
+	if x != nil {
+		return x.CounterFloor
+	}
+	return 0
+}
+
 // HardwareReport describes a machine as its agent sees it (SPEC §4.4).
 type HardwareReport struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -499,7 +578,7 @@ type HardwareReport struct {
 
 func (x *HardwareReport) Reset() {
 	*x = HardwareReport{}
-	mi := &file_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_agent_v1_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -511,7 +590,7 @@ func (x *HardwareReport) String() string {
 func (*HardwareReport) ProtoMessage() {}
 
 func (x *HardwareReport) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_agent_v1_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -524,7 +603,7 @@ func (x *HardwareReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HardwareReport.ProtoReflect.Descriptor instead.
 func (*HardwareReport) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *HardwareReport) GetCpu() *CPU {
@@ -589,7 +668,7 @@ type CPU struct {
 
 func (x *CPU) Reset() {
 	*x = CPU{}
-	mi := &file_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_agent_v1_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -601,7 +680,7 @@ func (x *CPU) String() string {
 func (*CPU) ProtoMessage() {}
 
 func (x *CPU) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_agent_v1_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -614,7 +693,7 @@ func (x *CPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CPU.ProtoReflect.Descriptor instead.
 func (*CPU) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CPU) GetModel() string {
@@ -659,7 +738,7 @@ type NetworkInterface struct {
 
 func (x *NetworkInterface) Reset() {
 	*x = NetworkInterface{}
-	mi := &file_agent_v1_agent_proto_msgTypes[8]
+	mi := &file_agent_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -671,7 +750,7 @@ func (x *NetworkInterface) String() string {
 func (*NetworkInterface) ProtoMessage() {}
 
 func (x *NetworkInterface) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[8]
+	mi := &file_agent_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -684,7 +763,7 @@ func (x *NetworkInterface) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NetworkInterface.ProtoReflect.Descriptor instead.
 func (*NetworkInterface) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *NetworkInterface) GetName() string {
@@ -737,7 +816,7 @@ type BlockDevice struct {
 
 func (x *BlockDevice) Reset() {
 	*x = BlockDevice{}
-	mi := &file_agent_v1_agent_proto_msgTypes[9]
+	mi := &file_agent_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -749,7 +828,7 @@ func (x *BlockDevice) String() string {
 func (*BlockDevice) ProtoMessage() {}
 
 func (x *BlockDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[9]
+	mi := &file_agent_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -762,7 +841,7 @@ func (x *BlockDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockDevice.ProtoReflect.Descriptor instead.
 func (*BlockDevice) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *BlockDevice) GetName() string {
@@ -818,7 +897,7 @@ type DMI struct {
 
 func (x *DMI) Reset() {
 	*x = DMI{}
-	mi := &file_agent_v1_agent_proto_msgTypes[10]
+	mi := &file_agent_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -830,7 +909,7 @@ func (x *DMI) String() string {
 func (*DMI) ProtoMessage() {}
 
 func (x *DMI) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[10]
+	mi := &file_agent_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -843,7 +922,7 @@ func (x *DMI) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DMI.ProtoReflect.Descriptor instead.
 func (*DMI) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DMI) GetSystemVendor() string {
@@ -887,7 +966,7 @@ type OSInstallationRequest struct {
 
 func (x *OSInstallationRequest) Reset() {
 	*x = OSInstallationRequest{}
-	mi := &file_agent_v1_agent_proto_msgTypes[11]
+	mi := &file_agent_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -899,7 +978,7 @@ func (x *OSInstallationRequest) String() string {
 func (*OSInstallationRequest) ProtoMessage() {}
 
 func (x *OSInstallationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[11]
+	mi := &file_agent_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -912,7 +991,7 @@ func (x *OSInstallationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OSInstallationRequest.ProtoReflect.Descriptor instead.
 func (*OSInstallationRequest) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *OSInstallationRequest) GetGeneration() int64 {
@@ -965,7 +1044,7 @@ type OSInstallationReport struct {
 
 func (x *OSInstallationReport) Reset() {
 	*x = OSInstallationReport{}
-	mi := &file_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_agent_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -977,7 +1056,7 @@ func (x *OSInstallationReport) String() string {
 func (*OSInstallationReport) ProtoMessage() {}
 
 func (x *OSInstallationReport) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_agent_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -990,7 +1069,7 @@ func (x *OSInstallationReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OSInstallationReport.ProtoReflect.Descriptor instead.
 func (*OSInstallationReport) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *OSInstallationReport) GetGeneration() int64 {
@@ -1049,7 +1128,7 @@ type InstallationSuccess struct {
 
 func (x *InstallationSuccess) Reset() {
 	*x = InstallationSuccess{}
-	mi := &file_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_agent_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1061,7 +1140,7 @@ func (x *InstallationSuccess) String() string {
 func (*InstallationSuccess) ProtoMessage() {}
 
 func (x *InstallationSuccess) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_agent_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1074,7 +1153,7 @@ func (x *InstallationSuccess) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstallationSuccess.ProtoReflect.Descriptor instead.
 func (*InstallationSuccess) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 type InstallationError struct {
@@ -1086,7 +1165,7 @@ type InstallationError struct {
 
 func (x *InstallationError) Reset() {
 	*x = InstallationError{}
-	mi := &file_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_agent_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1098,7 +1177,7 @@ func (x *InstallationError) String() string {
 func (*InstallationError) ProtoMessage() {}
 
 func (x *InstallationError) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_agent_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1111,7 +1190,7 @@ func (x *InstallationError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstallationError.ProtoReflect.Descriptor instead.
 func (*InstallationError) Descriptor() ([]byte, []int) {
-	return file_agent_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_agent_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *InstallationError) GetMessage() string {
@@ -1147,12 +1226,17 @@ const file_agent_v1_agent_proto_rawDesc = "" +
 	"machine_id\x18\x01 \x01(\tR\tmachineId\x12J\n" +
 	"\x0fhardware_report\x18\x02 \x01(\v2!.shepherd.agent.v1.HardwareReportR\x0ehardwareReport\x12X\n" +
 	"\x13installation_report\x18\x03 \x01(\v2'.shepherd.agent.v1.OSInstallationReportR\x12installationReport\x12#\n" +
-	"\ragent_version\x18\x04 \x01(\tR\fagentVersion\"\xb3\x02\n" +
+	"\ragent_version\x18\x04 \x01(\tR\fagentVersion\"\xfc\x02\n" +
 	"\x11HeartbeatResponse\x12[\n" +
 	"\x14installation_request\x18\x01 \x01(\v2(.shepherd.agent.v1.OSInstallationRequestR\x13installationRequest\x12E\n" +
 	"\x11next_heartbeat_in\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x0fnextHeartbeatIn\x128\n" +
 	"\x18hardware_report_recorded\x18\x03 \x01(\bR\x16hardwareReportRecorded\x12@\n" +
-	"\x1cinstallation_report_recorded\x18\x04 \x01(\x03R\x1ainstallationReportRecorded\"\x82\x03\n" +
+	"\x1cinstallation_report_recorded\x18\x04 \x01(\x03R\x1ainstallationReportRecorded\x12G\n" +
+	"\x0edatagram_grant\x18\x05 \x01(\v2 .shepherd.agent.v1.DatagramGrantR\rdatagramGrant\"Z\n" +
+	"\rDatagramGrant\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\fR\x03key\x12\x12\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\x12#\n" +
+	"\rcounter_floor\x18\x03 \x01(\x04R\fcounterFloor\"\x82\x03\n" +
 	"\x0eHardwareReport\x12(\n" +
 	"\x03cpu\x18\x01 \x01(\v2\x16.shepherd.agent.v1.CPUR\x03cpu\x12!\n" +
 	"\fmemory_bytes\x18\x02 \x01(\x04R\vmemoryBytes\x12R\n" +
@@ -1226,7 +1310,7 @@ func file_agent_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_agent_v1_agent_proto_goTypes = []any{
 	(FirmwareMode)(0),             // 0: shepherd.agent.v1.FirmwareMode
 	(*TakeoverInit)(nil),          // 1: shepherd.agent.v1.TakeoverInit
@@ -1235,39 +1319,41 @@ var file_agent_v1_agent_proto_goTypes = []any{
 	(*TakeoverError)(nil),         // 4: shepherd.agent.v1.TakeoverError
 	(*HeartbeatRequest)(nil),      // 5: shepherd.agent.v1.HeartbeatRequest
 	(*HeartbeatResponse)(nil),     // 6: shepherd.agent.v1.HeartbeatResponse
-	(*HardwareReport)(nil),        // 7: shepherd.agent.v1.HardwareReport
-	(*CPU)(nil),                   // 8: shepherd.agent.v1.CPU
-	(*NetworkInterface)(nil),      // 9: shepherd.agent.v1.NetworkInterface
-	(*BlockDevice)(nil),           // 10: shepherd.agent.v1.BlockDevice
-	(*DMI)(nil),                   // 11: shepherd.agent.v1.DMI
-	(*OSInstallationRequest)(nil), // 12: shepherd.agent.v1.OSInstallationRequest
-	(*OSInstallationReport)(nil),  // 13: shepherd.agent.v1.OSInstallationReport
-	(*InstallationSuccess)(nil),   // 14: shepherd.agent.v1.InstallationSuccess
-	(*InstallationError)(nil),     // 15: shepherd.agent.v1.InstallationError
-	(*durationpb.Duration)(nil),   // 16: google.protobuf.Duration
+	(*DatagramGrant)(nil),         // 7: shepherd.agent.v1.DatagramGrant
+	(*HardwareReport)(nil),        // 8: shepherd.agent.v1.HardwareReport
+	(*CPU)(nil),                   // 9: shepherd.agent.v1.CPU
+	(*NetworkInterface)(nil),      // 10: shepherd.agent.v1.NetworkInterface
+	(*BlockDevice)(nil),           // 11: shepherd.agent.v1.BlockDevice
+	(*DMI)(nil),                   // 12: shepherd.agent.v1.DMI
+	(*OSInstallationRequest)(nil), // 13: shepherd.agent.v1.OSInstallationRequest
+	(*OSInstallationReport)(nil),  // 14: shepherd.agent.v1.OSInstallationReport
+	(*InstallationSuccess)(nil),   // 15: shepherd.agent.v1.InstallationSuccess
+	(*InstallationError)(nil),     // 16: shepherd.agent.v1.InstallationError
+	(*durationpb.Duration)(nil),   // 17: google.protobuf.Duration
 }
 var file_agent_v1_agent_proto_depIdxs = []int32{
 	3,  // 0: shepherd.agent.v1.TakeoverResponse.success:type_name -> shepherd.agent.v1.TakeoverSuccess
 	4,  // 1: shepherd.agent.v1.TakeoverResponse.error:type_name -> shepherd.agent.v1.TakeoverError
 	1,  // 2: shepherd.agent.v1.TakeoverSuccess.init_message:type_name -> shepherd.agent.v1.TakeoverInit
-	7,  // 3: shepherd.agent.v1.HeartbeatRequest.hardware_report:type_name -> shepherd.agent.v1.HardwareReport
-	13, // 4: shepherd.agent.v1.HeartbeatRequest.installation_report:type_name -> shepherd.agent.v1.OSInstallationReport
-	12, // 5: shepherd.agent.v1.HeartbeatResponse.installation_request:type_name -> shepherd.agent.v1.OSInstallationRequest
-	16, // 6: shepherd.agent.v1.HeartbeatResponse.next_heartbeat_in:type_name -> google.protobuf.Duration
-	8,  // 7: shepherd.agent.v1.HardwareReport.cpu:type_name -> shepherd.agent.v1.CPU
-	9,  // 8: shepherd.agent.v1.HardwareReport.network_interfaces:type_name -> shepherd.agent.v1.NetworkInterface
-	10, // 9: shepherd.agent.v1.HardwareReport.block_devices:type_name -> shepherd.agent.v1.BlockDevice
-	11, // 10: shepherd.agent.v1.HardwareReport.dmi:type_name -> shepherd.agent.v1.DMI
-	0,  // 11: shepherd.agent.v1.HardwareReport.firmware_mode:type_name -> shepherd.agent.v1.FirmwareMode
-	14, // 12: shepherd.agent.v1.OSInstallationReport.success:type_name -> shepherd.agent.v1.InstallationSuccess
-	15, // 13: shepherd.agent.v1.OSInstallationReport.error:type_name -> shepherd.agent.v1.InstallationError
-	5,  // 14: shepherd.agent.v1.AgentCallbackService.Heartbeat:input_type -> shepherd.agent.v1.HeartbeatRequest
-	6,  // 15: shepherd.agent.v1.AgentCallbackService.Heartbeat:output_type -> shepherd.agent.v1.HeartbeatResponse
-	15, // [15:16] is the sub-list for method output_type
-	14, // [14:15] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	8,  // 3: shepherd.agent.v1.HeartbeatRequest.hardware_report:type_name -> shepherd.agent.v1.HardwareReport
+	14, // 4: shepherd.agent.v1.HeartbeatRequest.installation_report:type_name -> shepherd.agent.v1.OSInstallationReport
+	13, // 5: shepherd.agent.v1.HeartbeatResponse.installation_request:type_name -> shepherd.agent.v1.OSInstallationRequest
+	17, // 6: shepherd.agent.v1.HeartbeatResponse.next_heartbeat_in:type_name -> google.protobuf.Duration
+	7,  // 7: shepherd.agent.v1.HeartbeatResponse.datagram_grant:type_name -> shepherd.agent.v1.DatagramGrant
+	9,  // 8: shepherd.agent.v1.HardwareReport.cpu:type_name -> shepherd.agent.v1.CPU
+	10, // 9: shepherd.agent.v1.HardwareReport.network_interfaces:type_name -> shepherd.agent.v1.NetworkInterface
+	11, // 10: shepherd.agent.v1.HardwareReport.block_devices:type_name -> shepherd.agent.v1.BlockDevice
+	12, // 11: shepherd.agent.v1.HardwareReport.dmi:type_name -> shepherd.agent.v1.DMI
+	0,  // 12: shepherd.agent.v1.HardwareReport.firmware_mode:type_name -> shepherd.agent.v1.FirmwareMode
+	15, // 13: shepherd.agent.v1.OSInstallationReport.success:type_name -> shepherd.agent.v1.InstallationSuccess
+	16, // 14: shepherd.agent.v1.OSInstallationReport.error:type_name -> shepherd.agent.v1.InstallationError
+	5,  // 15: shepherd.agent.v1.AgentCallbackService.Heartbeat:input_type -> shepherd.agent.v1.HeartbeatRequest
+	6,  // 16: shepherd.agent.v1.AgentCallbackService.Heartbeat:output_type -> shepherd.agent.v1.HeartbeatResponse
+	16, // [16:17] is the sub-list for method output_type
+	15, // [15:16] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_agent_v1_agent_proto_init() }
@@ -1279,7 +1365,7 @@ func file_agent_v1_agent_proto_init() {
 		(*TakeoverResponse_Success)(nil),
 		(*TakeoverResponse_Error)(nil),
 	}
-	file_agent_v1_agent_proto_msgTypes[12].OneofWrappers = []any{
+	file_agent_v1_agent_proto_msgTypes[13].OneofWrappers = []any{
 		(*OSInstallationReport_Success)(nil),
 		(*OSInstallationReport_Error)(nil),
 	}
@@ -1289,7 +1375,7 @@ func file_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_v1_agent_proto_rawDesc), len(file_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
