@@ -184,8 +184,9 @@ type Reply struct {
 	// datagrams it is no longer waiting for.
 	Counter uint64
 	Status  Status
-	// NextIn is when to send the next heartbeat; 0 means the agent's
-	// default. Carried in whole milliseconds, at most about 49 days.
+	// NextIn is when to send the next heartbeat (with StatusRetryLater:
+	// when to send this one again); 0 means the agent's default. Carried
+	// in whole milliseconds, at most about 49 days.
 	NextIn time.Duration
 }
 
