@@ -571,8 +571,11 @@ func (db *DB) DatagramSecret(ctx context.Context) ([]byte, error) {
 		if err == nil {
 			return secret, nil
 		}
-		if !Unavailable(err) || !sleep(ctx, jitter(pause)) {
+		if !Unavailable(err) {
 			return nil, fmt.Errorf("bmdb: reading the heartbeat datagram secret: %w", err)
+		}
+		if !sleep(ctx, jitter(pause)) {
+			return nil, fmt.Errorf("bmdb: reading the heartbeat datagram secret: %w (while the database was unavailable: %w)", ctx.Err(), err)
 		}
 		pause = min(2*pause, time.Second)
 	}

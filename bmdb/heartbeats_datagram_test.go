@@ -16,6 +16,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
 )
 
 // record sends one batch and fails the test if the call fails.
@@ -406,5 +407,24 @@ func TestRecordHeartbeatsLargeBatch(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, record(t, db, batch...)); diff != "" {
 		t.Errorf("results (-want +got):\n%s", diff)
+	}
+}
+
+// While the database cannot be reached, DatagramSecret keeps trying until
+// its context ends, and then says so; once it is back, the call succeeds.
+func TestDatagramSecretRetriesWhileUnavailable(t *testing.T) {
+	t.Parallel()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	proxy.SetMode(tcpproxy.Reset)
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	_, err := db.DatagramSecret(ctx)
+	if !errors.Is(err, context.DeadlineExceeded) || !bmdb.Unavailable(err) {
+		t.Fatalf("DatagramSecret with the database unreachable: %v, want it to retry until the deadline", err)
+	}
+	proxy.SetMode(tcpproxy.Pass)
+	secret, err := db.DatagramSecret(t.Context())
+	if err != nil || len(secret) != 32 {
+		t.Fatalf("DatagramSecret once the database is back: %d bytes, %v", len(secret), err)
 	}
 }
