@@ -365,9 +365,8 @@ func TestDatagramSecret(t *testing.T) {
 	}
 }
 
-// A batch large enough to be planned for its own arrays (customPlanBatch)
-// settles TLS heartbeats, datagrams, replays and wrong keys as a small one
-// does.
+// A batch of hundreds of machines, as P1 sends, settles TLS heartbeats,
+// datagrams, replays and wrong keys as a small one does.
 func TestRecordHeartbeatsLargeBatch(t *testing.T) {
 	t.Parallel()
 	db := bmdbtest.New(t)
