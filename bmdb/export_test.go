@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/shepherd/shepherd/bmdb/model"
 )
@@ -136,4 +137,24 @@ func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (st
 		}
 	}
 	return "", fmt.Errorf("auto_explain reported no plan of the statement (notices: %q)", notices)
+}
+
+// HoldConnections takes every connection of the main pool, as control
+// loops with more workers than connections do, until release.
+func (db *DB) HoldConnections(ctx context.Context) (release func(), err error) {
+	var held []*pgxpool.Conn
+	release = func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}
+	for range db.pool.Config().MaxConns {
+		c, err := db.pool.Acquire(ctx)
+		if err != nil {
+			release()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return release, nil
 }

@@ -268,7 +268,7 @@ func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatR
 	var rows []model.HeartbeatRecordRow
 	err := db.retry(ctx, func(ctx context.Context) error {
 		var err error
-		rows, err = db.q.HeartbeatRecord(ctx, p)
+		rows, err = db.hb.HeartbeatRecord(ctx, p)
 		return err
 	})
 	if err != nil {
@@ -418,7 +418,7 @@ func (db *DB) markRetired(ctx context.Context, p model.HeartbeatRecordParams, by
 			q.PublicKeys = append(q.PublicKeys, p.PublicKeys[o])
 		}
 	}
-	retired, err := db.q.HeartbeatRetired(ctx, q)
+	retired, err := db.hb.HeartbeatRetired(ctx, q)
 	if err != nil {
 		return fmt.Errorf("looking up retired agents: %w", err)
 	}
