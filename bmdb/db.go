@@ -22,6 +22,14 @@ type Config struct {
 	// MaxConns bounds the connection pool; default 8 + 4 per CPU, which leaves
 	// room for a few dozen workers without queueing on the pool.
 	MaxConns int32
+	// HeartbeatConns bounds a second pool that only RecordHeartbeats uses,
+	// so that heartbeats never queue for a connection behind control-loop
+	// workers (hundreds of takeovers in flight held a 100-connection pool
+	// and made each heartbeat batch wait about 228 ms, longer than the
+	// takeovers' own statements, and the machines late to heartbeat).
+	// Default 4, the callback server's default flushers; opened lazily, so
+	// a process without a callback server opens none.
+	HeartbeatConns int32
 	// Schema says what Open does about the schema; default SchemaMigrate.
 	Schema SchemaPolicy
 	// Registerer receives the BMDB client metrics; nil keeps them private.
@@ -55,6 +63,9 @@ func (c Config) Validate() error {
 	if c.MaxConns < 0 {
 		return fmt.Errorf("bmdb: Config.MaxConns must be >= 0 (0 = default), got %d", c.MaxConns)
 	}
+	if c.HeartbeatConns < 0 {
+		return fmt.Errorf("bmdb: Config.HeartbeatConns must be >= 0 (0 = default), got %d", c.HeartbeatConns)
+	}
 	return nil
 }
 
@@ -63,7 +74,10 @@ func (c Config) Validate() error {
 type DB struct {
 	pool *pgxpool.Pool
 	q    *model.Queries
-	log  *slog.Logger
+	// hbPool and hb are Config.HeartbeatConns' pool, for RecordHeartbeats.
+	hbPool *pgxpool.Pool
+	hb     *model.Queries
+	log    *slog.Logger
 	// failures bounds the lines about failures that repeat while the
 	// database is unreachable (session renewals, check-ins, claims): one
 	// per kind per interval, with a count.
@@ -93,15 +107,23 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 		// The parse error may quote the URL, password included.
 		return nil, errors.New("bmdb: parsing database URL: invalid connection string")
 	}
+	hbcfg := pcfg.Copy()
 	pcfg.MaxConns = cfg.MaxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return nil, fmt.Errorf("bmdb: creating connection pool: %w", err)
 	}
-	log = log.With("component", "bmdb")
-	db := &DB{pool: pool, q: model.New(pool), log: log, failures: ratelog.New(log, 0)}
-	if err := db.open(ctx, cfg, reg); err != nil {
+	hbcfg.MaxConns = cmp.Or(cfg.HeartbeatConns, 4)
+	hbcfg.MinConns = 0
+	hbPool, err := pgxpool.NewWithConfig(ctx, hbcfg)
+	if err != nil {
 		pool.Close()
+		return nil, fmt.Errorf("bmdb: creating heartbeat connection pool: %w", err)
+	}
+	log = log.With("component", "bmdb")
+	db := &DB{pool: pool, q: model.New(pool), hbPool: hbPool, hb: model.New(hbPool), log: log, failures: ratelog.New(log, 0)}
+	if err := db.open(ctx, cfg, reg); err != nil {
+		db.Close()
 		return nil, err
 	}
 	return db, nil
@@ -140,5 +162,6 @@ func (db *DB) SchemaVersion() int64 { return db.version }
 // Close closes every connection. Sessions must be closed first.
 func (db *DB) Close() {
 	db.pool.Close()
+	db.hbPool.Close()
 	db.failures.Flush()
 }

@@ -71,10 +71,11 @@ func TestOpenMigratesConcurrently(t *testing.T) {
 func TestOpenRejectsBadConfig(t *testing.T) {
 	t.Parallel()
 	for name, cfg := range map[string]bmdb.Config{
-		"no url":           {},
-		"negative conns":   {URL: "postgres://x@localhost/db", MaxConns: -1},
-		"garbage url":      {URL: "postgres://user:s3cret@[::1"},
-		"unreachable host": {URL: "postgres://user:s3cret@127.0.0.1:1/db?connect_timeout=2"},
+		"no url":            {},
+		"negative conns":    {URL: "postgres://x@localhost/db", MaxConns: -1},
+		"negative hb conns": {URL: "postgres://x@localhost/db", HeartbeatConns: -1},
+		"garbage url":       {URL: "postgres://user:s3cret@[::1"},
+		"unreachable host":  {URL: "postgres://user:s3cret@127.0.0.1:1/db?connect_timeout=2"},
 	} {
 		_, err := bmdb.Open(t.Context(), cfg)
 		if err == nil {

@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/shepherd/shepherd/bmdb/model"
 )
@@ -76,3 +79,82 @@ func (db *DB) ExplainAnalyzeCandidates(ctx context.Context, process Process, c C
 
 // FactStates are the states only a machine with facts can be in.
 var FactStates = factStates
+
+// ExplainAnalyzeHeartbeats runs the statement RecordHeartbeats sends for
+// hbs (as one batch), as a prepared statement with the generic plan, which
+// is the one a busy callback server's prepared statement settles on, and
+// returns the plan auto_explain reports for it; it rolls the batch back.
+// (EXPLAIN of the statement would plan it for these values, and EXPLAIN
+// EXECUTE takes no parameters from a client.)
+func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (string, error) {
+	var capt capturedQuery
+	p, _ := heartbeatParams(hbs)
+	if _, err := model.New(&capt).HeartbeatRecord(ctx, p); !errors.Is(err, errCaptured) {
+		return "", fmt.Errorf("capturing the statement: %v", err)
+	}
+	cfg := db.pool.Config().ConnConfig.Copy()
+	var mu sync.Mutex
+	var notices []string
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		mu.Lock()
+		defer mu.Unlock()
+		notices = append(notices, n.Message)
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	for _, set := range []string{
+		"LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0", "SET auto_explain.log_analyze = on",
+		"SET auto_explain.log_buffers = on", "SET client_min_messages = log", "SET plan_cache_mode = force_generic_plan",
+	} {
+		if _, err := conn.Exec(ctx, set); err != nil {
+			return "", fmt.Errorf("%s: %w", set, err)
+		}
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	mu.Lock()
+	notices = nil
+	mu.Unlock()
+	rows, err := tx.Query(ctx, capt.sql, capt.args...)
+	if err != nil {
+		return "", err
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return "", err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, n := range notices {
+		if strings.Contains(n, "name: HeartbeatRecord") {
+			return n, nil
+		}
+	}
+	return "", fmt.Errorf("auto_explain reported no plan of the statement (notices: %q)", notices)
+}
+
+// HoldConnections takes every connection of the main pool, as control
+// loops with more workers than connections do, until release.
+func (db *DB) HoldConnections(ctx context.Context) (release func(), err error) {
+	var held []*pgxpool.Conn
+	release = func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}
+	for range db.pool.Config().MaxConns {
+		c, err := db.pool.Acquire(ctx)
+		if err != nil {
+			release()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return release, nil
+}

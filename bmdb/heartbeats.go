@@ -268,13 +268,46 @@ func (db *DB) recordIsolating(ctx context.Context, hbs []Heartbeat, out []Heartb
 // counters: RecordHeartbeats sees that a pair with a datagram has nothing
 // else in the batch.
 func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatResult) error {
+	p, slot := heartbeatParams(hbs)
+	var rows []model.HeartbeatRecordRow
+	err := db.retry(ctx, func(ctx context.Context) error {
+		var err error
+		rows, err = db.hb.HeartbeatRecord(ctx, p)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	byOrdinal, authed, err := heartbeatResults(rows, len(p.Ordinals))
+	if err != nil {
+		return err
+	}
+	if authed < len(byOrdinal) {
+		if err := db.markRetired(ctx, p, byOrdinal); err != nil {
+			return err
+		}
+	}
+	for i, o := range slot {
+		if r := byOrdinal[o]; r != nil {
+			out[i] = *r
+		} else {
+			out[i] = HeartbeatResult{}
+		}
+	}
+	return nil
+}
+
+// heartbeatParams makes the arguments of HeartbeatRecord for hbs: one pair
+// per (machine, key), with the highest counter of its heartbeats, and the
+// reports by the ordinal of their pair; slot maps each heartbeat to its
+// pair's ordinal.
+func heartbeatParams(hbs []Heartbeat) (p model.HeartbeatRecordParams, slot []int32) {
 	type pair struct {
 		machine uuid.UUID
 		key     string
 	}
 	index := make(map[pair]int32, len(hbs)) // pair -> ordinal in the batch arrays
-	slot := make([]int32, len(hbs))         // heartbeat -> ordinal
-	var p model.HeartbeatRecordParams
+	slot = make([]int32, len(hbs))          // heartbeat -> ordinal
 	hw := map[int32]*HardwareReport{}
 	ins := map[int32]*InstallationReport{}
 	for i, h := range hbs {
@@ -316,47 +349,65 @@ func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatR
 		p.InsErrorMessages = append(p.InsErrorMessages, r.Error)
 		p.InsRaws = append(p.InsRaws, r.Raw)
 	}
+	return p, slot
+}
 
-	var rows []model.HeartbeatRecordRow
-	err := db.retry(ctx, func(ctx context.Context) error {
-		var err error
-		rows, err = db.q.HeartbeatRecord(ctx, p)
-		return err
-	})
-	if err != nil {
-		return err
-	}
-	byOrdinal := make([]*HeartbeatResult, len(p.Ordinals))
+// heartbeatResults puts together the rows of HeartbeatRecord, which lists
+// each part of the statement by kind, into a result per ordinal (nil: not
+// authenticated), and returns how many ordinals were authenticated.
+func heartbeatResults(rows []model.HeartbeatRecordRow, ordinals int) ([]*HeartbeatResult, int, error) {
+	byOrdinal := make([]*HeartbeatResult, ordinals)
+	byMachine := make(map[uuid.UUID]*HeartbeatResult, len(rows))
+	authed := 0
 	for _, r := range rows {
-		if r.Ordinal < 0 || int(r.Ordinal) >= len(byOrdinal) {
-			return fmt.Errorf("database returned ordinal %d of %d", r.Ordinal, len(byOrdinal))
-		}
-		if !r.Accepted {
-			byOrdinal[r.Ordinal] = &HeartbeatResult{Replayed: true}
+		if r.Kind != "authed" {
 			continue
 		}
-		res := &HeartbeatResult{Accepted: true, Counter: r.DatagramCounter, HardwareRecorded: r.HardwareRecorded}
-		if r.InstallationRecorded != nil {
-			res.InstallationRecorded = *r.InstallationRecorded
+		if r.Ordinal < 0 || int(r.Ordinal) >= ordinals || byOrdinal[r.Ordinal] != nil {
+			return nil, 0, fmt.Errorf("database returned ordinal %d of %d", r.Ordinal, ordinals)
 		}
-		if r.PendingGeneration != nil {
-			res.Pending = &PendingInstallation{Generation: *r.PendingGeneration, Request: r.PendingRequest}
+		if byMachine[r.MachineID] != nil {
+			return nil, 0, fmt.Errorf("database authenticated two keys of machine %s", r.MachineID)
 		}
-		byOrdinal[r.Ordinal] = res
+		// Replayed until beat says it was recorded.
+		res := &HeartbeatResult{Replayed: true}
+		byOrdinal[r.Ordinal], byMachine[r.MachineID] = res, res
+		authed++
 	}
-	if len(rows) < len(byOrdinal) {
-		if err := db.markRetired(ctx, p, byOrdinal); err != nil {
-			return err
+	var pending []model.HeartbeatRecordRow
+	for _, r := range rows {
+		res := byMachine[r.MachineID]
+		if r.Kind == "authed" {
+			continue
+		}
+		if res == nil {
+			return nil, 0, fmt.Errorf("database returned %s of machine %s, which it did not authenticate", r.Kind, r.MachineID)
+		}
+		switch r.Kind {
+		case "beat":
+			res.Accepted, res.Replayed, res.Counter = true, false, r.Number
+		case "hardware":
+			res.HardwareRecorded = true
+		case "installation":
+			res.InstallationRecorded = r.Number
+		case "pending":
+			pending = append(pending, r)
+		default:
+			return nil, 0, fmt.Errorf("database returned a row of unknown kind %q", r.Kind)
 		}
 	}
-	for i, o := range slot {
-		if r := byOrdinal[o]; r != nil {
-			out[i] = *r
-		} else {
-			out[i] = HeartbeatResult{}
+	// A replayed datagram records nothing and is told nothing more.
+	for _, r := range pending {
+		if res := byMachine[r.MachineID]; res.Accepted {
+			res.Pending = &PendingInstallation{Generation: r.Number, Request: r.Raw}
 		}
 	}
-	return nil
+	for _, res := range byMachine {
+		if !res.Accepted {
+			*res = HeartbeatResult{Replayed: true}
+		}
+	}
+	return byOrdinal, authed, nil
 }
 
 // markRetired fills in the results of rejected pairs whose key is the last
@@ -371,7 +422,7 @@ func (db *DB) markRetired(ctx context.Context, p model.HeartbeatRecordParams, by
 			q.PublicKeys = append(q.PublicKeys, p.PublicKeys[o])
 		}
 	}
-	retired, err := db.q.HeartbeatRetired(ctx, q)
+	retired, err := db.hb.HeartbeatRetired(ctx, q)
 	if err != nil {
 		return fmt.Errorf("looking up retired agents: %w", err)
 	}

@@ -216,6 +216,22 @@ func TestDatagramHeartbeatReturnsPending(t *testing.T) {
 	if r, err := db.GetHardwareReport(t.Context(), ids[0]); !errors.Is(err, bmdb.ErrNotFound) {
 		t.Errorf("a replayed datagram's hardware report: stored %q (err %v), want none", r.Raw, err)
 	}
+	// A datagram's reply hands no request over (it tells the agent to call
+	// over TLS): the request is delivered, and history Installing
+	// written, by the TLS heartbeat that carries it.
+	installing := func() int64 {
+		return bmdbtest.Scalar[int64](t, db, `SELECT count(*) FROM work_history WHERE machine_id = $1 AND event = 'Installing'`, ids[0])
+	}
+	if n := installing(); n != 0 {
+		t.Errorf("%d Installing history rows after datagrams only, want 0", n)
+	}
+	tls := record(t, db, bmdb.Heartbeat{MachineID: ids[0], AgentKey: keys[0]})[0]
+	if tls.Pending == nil || tls.Pending.Generation != 1 {
+		t.Errorf("TLS heartbeat: pending %+v, want generation 1", tls.Pending)
+	}
+	if n := installing(); n != 1 {
+		t.Errorf("%d Installing history rows after the TLS heartbeat, want 1", n)
+	}
 }
 
 // A recovery deletes the heartbeat row, and its counter with it; the next
