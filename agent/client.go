@@ -95,10 +95,14 @@ func NewCallbackClient(endpoint string, tlsCfg *tls.Config) agentv1connect.Agent
 	return agentv1connect.NewAgentCallbackServiceClient(HTTPClient(tlsCfg), "https://"+endpoint, connect.WithGRPC())
 }
 
-func newClient(init *agentv1.TakeoverInit, key ed25519.PrivateKey) (agentv1connect.AgentCallbackServiceClient, error) {
+// newClient returns the daemon's callback client and the HTTP client it
+// travels on, whose idle connection the daemon closes while it holds a
+// datagram grant.
+func newClient(init *agentv1.TakeoverInit, key ed25519.PrivateKey) (agentv1connect.AgentCallbackServiceClient, *http.Client, error) {
 	tlsCfg, err := ClientTLS(init.GetMachineId(), init.GetServerEndpoint(), init.GetCaCertificate(), key)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return NewCallbackClient(init.GetServerEndpoint(), tlsCfg), nil
+	hc := HTTPClient(tlsCfg)
+	return agentv1connect.NewAgentCallbackServiceClient(hc, "https://"+init.GetServerEndpoint(), connect.WithGRPC()), hc, nil
 }
