@@ -279,6 +279,21 @@ func TestDatagramFallbacks(t *testing.T) {
 			closes: 2,
 		},
 		{
+			name: "a TLS answer without a grant ends datagrams",
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusCallTLS, 0)}
+			},
+			tls: func(_ *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				if n == 1 {
+					return answer(10 * time.Second)
+				}
+				return answer(idle)
+			},
+			dgAt:   []window{exactly(10 * s)},
+			tlsAt:  []window{exactly(10 * s), exactly(20 * s)},
+			closes: 2,
+		},
+		{
 			name: "retry later: the datagram again after the wait asked for, jittered, not TLS",
 			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
 				if n < 3 {
