@@ -69,7 +69,9 @@ func ClientTLS(machineID, endpoint string, caDER []byte, key ed25519.PrivateKey)
 
 // HTTPClient is the HTTP/2 client heartbeats travel on, with tlsCfg. It
 // keeps its one connection to the server between heartbeats (for up to
-// IdleConnTimeout), so that a heartbeat costs no TLS handshake.
+// IdleConnTimeout), so that a heartbeat costs no TLS handshake; the daemon
+// closes it after each TLS heartbeat while the server lets it send
+// datagrams instead.
 func HTTPClient(tlsCfg *tls.Config) *http.Client { return HTTPClientDialer(tlsCfg, Dialer()) }
 
 // Dialer is the dialer of an agent's connection to the callback server.

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"crypto/ed25519"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/google/uuid"
 
 	"github.com/shepherd/shepherd/api/agent/pulse"
@@ -447,4 +449,42 @@ func TestDatagramFallbacks(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestDatagramRetired: a decommissioned machine's datagram is answered
+// "call TLS", and the TLS call's PermissionDenied stops the daemon at once
+// with ErrRetired, as it does without datagrams.
+func TestDatagramRetired(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		p := newDatagramPeer(t, func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+			return [][]byte{p.reply(req, pulse.StatusCallTLS, 0)}
+		})
+		var closes atomic.Int32
+		start := time.Now()
+		cb, _, exited := runDaemonWith(t, daemonConfig{Interval: time.Hour, MaxBackoff: time.Minute},
+			func(_ context.Context, n int, _ *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+				if n == 0 {
+					r := answer(10 * time.Second)
+					r.DatagramGrant = p.grant(9, 5)
+					return r, nil
+				}
+				return nil, connect.NewError(connect.CodePermissionDenied, errors.New("machine decommissioned"))
+			}, withDatagrams(t, p, &closes, ""))
+		var err error
+		select {
+		case err = <-exited:
+		case <-time.After(time.Hour):
+			t.Fatal("the daemon still runs an hour after the server said the machine was decommissioned")
+		}
+		if !errors.Is(err, ErrRetired) {
+			t.Errorf("the daemon returned %v, want ErrRetired", err)
+		}
+		if took := time.Since(start); took != 10*time.Second {
+			t.Errorf("the daemon returned %s after the start, want 10s: at the first datagram's TLS call", took)
+		}
+		if n, m := len(cb.received()), len(p.received()); n != 2 || m != 1 {
+			t.Errorf("%d TLS heartbeats and %d datagrams, want 2 and 1", n, m)
+		}
+	})
 }
