@@ -504,3 +504,75 @@ func TestDatagramSecretReadLate(t *testing.T) {
 		t.Errorf("a datagram once the secret is read: %v, want recorded", r.Status)
 	}
 }
+
+// A datagram of a key the server has not seen accepted waits in the
+// bounded queue; when that is full, it is answered retry-later at once.
+func TestDatagramBusy(t *testing.T) {
+	t.Parallel()
+	e := start(t, server.Config{MaxBatch: 1, Flushers: 1, RetryPushback: 300 * time.Millisecond})
+	secret, err := e.db.DatagramSecret(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Machines started after the server read the fleet's keys, and never
+	// heartbeating over TLS: their keys are not verified.
+	type agent struct {
+		id  uuid.UUID
+		key ed25519.PrivateKey
+		k   pulse.Key
+	}
+	var agents []agent
+	for range 3 {
+		id, key := e.machine()
+		agents = append(agents, agent{id, key, pulse.DeriveKey(secret, id, key.Public().(ed25519.PublicKey))})
+	}
+	ag := e.udp()
+	blockWrites(t, e.db)
+	// The first is written (and waits for the lock); of the other two
+	// (read by two readers, in either order) one fills the queue and the
+	// other finds it full, and is the one answered.
+	ag.send(request(agents[0].id, agents[0].key, 1, 0, &agents[0].k))
+	waitForWrites(t, e.db, 1, nil)
+	ag.send(request(agents[1].id, agents[1].key, 1, 0, &agents[1].k))
+	ag.send(request(agents[2].id, agents[2].key, 2, 0, &agents[2].k))
+	buf := make([]byte, 1500)
+	if err := ag.conn.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	n, err := ag.conn.Read(buf)
+	if err != nil {
+		t.Fatalf("no answer to either datagram: %v", err)
+	}
+	r, err := pulse.OpenReply(buf[:n], &agents[1].k)
+	if err != nil {
+		r, err = pulse.OpenReply(buf[:n], &agents[2].k)
+	}
+	if err != nil {
+		t.Fatalf("the answer opens under neither key: %v", err)
+	}
+	if r.Status != pulse.StatusRetryLater || r.NextIn != 300*time.Millisecond {
+		t.Errorf("a datagram finding the queue full: %+v, want retry-later in 300ms", r)
+	}
+	waitCounts(t, e.reg, map[string]float64{"busy": 1})
+}
+
+// Unbatched (the benchmark's baseline) writes each datagram's heartbeat
+// in a transaction of its own, and answers it.
+func TestDatagramUnbatched(t *testing.T) {
+	t.Parallel()
+	e := start(t, server.Config{Unbatched: true})
+	id, key := e.machine()
+	g := e.grantOf(id, key)
+	k := keyOf(t, g)
+	ag := e.udp()
+	before := e.rows(id)
+	for i := range uint64(3) {
+		if r := ag.roundTrip(id, key, g.GetCounterFloor()+1+i, 0, k); r.Status != pulse.StatusRecorded {
+			t.Errorf("datagram %d: %v, want recorded", i, r.Status)
+		}
+	}
+	if after := e.rows(id); after == before {
+		t.Error("the datagrams did not move the heartbeat time")
+	}
+	waitCounts(t, e.reg, map[string]float64{"accepted": 4, "batches": 4})
+}
