@@ -6,7 +6,10 @@
 // client certificate of that key, reports the hardware and the result of
 // each OS installation it carries out (resending each until the server
 // acknowledges it), and stops for good once the server says the machine was
-// decommissioned.
+// decommissioned. Once a TLS heartbeat's answer grants it a key, and while
+// it has no report to deliver, it sends its heartbeats as UDP datagrams
+// (api/agent/pulse, datagram.go) and holds no connection to the server in
+// between; it returns to TLS when the server says so or does not answer.
 package agent
 
 import (

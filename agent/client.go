@@ -69,7 +69,9 @@ func ClientTLS(machineID, endpoint string, caDER []byte, key ed25519.PrivateKey)
 
 // HTTPClient is the HTTP/2 client heartbeats travel on, with tlsCfg. It
 // keeps its one connection to the server between heartbeats (for up to
-// IdleConnTimeout), so that a heartbeat costs no TLS handshake.
+// IdleConnTimeout), so that a heartbeat costs no TLS handshake; the daemon
+// closes it after each TLS heartbeat while the server lets it send
+// datagrams instead.
 func HTTPClient(tlsCfg *tls.Config) *http.Client { return HTTPClientDialer(tlsCfg, Dialer()) }
 
 // Dialer is the dialer of an agent's connection to the callback server.
@@ -95,10 +97,14 @@ func NewCallbackClient(endpoint string, tlsCfg *tls.Config) agentv1connect.Agent
 	return agentv1connect.NewAgentCallbackServiceClient(HTTPClient(tlsCfg), "https://"+endpoint, connect.WithGRPC())
 }
 
-func newClient(init *agentv1.TakeoverInit, key ed25519.PrivateKey) (agentv1connect.AgentCallbackServiceClient, error) {
+// newClient returns the daemon's callback client and the HTTP client it
+// travels on, whose idle connection the daemon closes while it holds a
+// datagram grant.
+func newClient(init *agentv1.TakeoverInit, key ed25519.PrivateKey) (agentv1connect.AgentCallbackServiceClient, *http.Client, error) {
 	tlsCfg, err := ClientTLS(init.GetMachineId(), init.GetServerEndpoint(), init.GetCaCertificate(), key)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return NewCallbackClient(init.GetServerEndpoint(), tlsCfg), nil
+	hc := HTTPClient(tlsCfg)
+	return agentv1connect.NewAgentCallbackServiceClient(hc, "https://"+init.GetServerEndpoint(), connect.WithGRPC()), hc, nil
 }

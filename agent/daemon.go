@@ -19,10 +19,12 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/google/uuid"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/shepherd/shepherd/agent/hwreport"
 	"github.com/shepherd/shepherd/agent/install"
+	"github.com/shepherd/shepherd/api/agent/pulse"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/internal/safetext"
@@ -72,16 +74,23 @@ func RunDaemon(ctx context.Context, log *slog.Logger) error {
 	if err := os.WriteFile(filepath.Join(dc.StateDir, pidFile), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o600); err != nil {
 		return fail(fmt.Errorf("writing pid file: %w", err))
 	}
-	client, err := newClient(&init, priv)
+	machine, err := uuid.Parse(init.GetMachineId())
+	if err != nil {
+		return fail(fmt.Errorf("the TakeoverInit's machine id: %w", err))
+	}
+	client, hc, err := newClient(&init, priv)
 	if err != nil {
 		return fail(err)
 	}
 	d := &daemon{
-		cfg:    dc,
-		init:   &init,
-		client: client,
-		log:    log.With("machine_id", init.GetMachineId()),
-		done:   make(chan *agentv1.OSInstallationReport, 1),
+		cfg:       dc,
+		init:      &init,
+		client:    client,
+		log:       log.With("machine_id", init.GetMachineId()),
+		done:      make(chan *agentv1.OSInstallationReport, 1),
+		machine:   machine,
+		agentKey:  priv.Public().(ed25519.PublicKey),
+		closeIdle: hc.CloseIdleConnections,
 	}
 	if _, err := readyFile.Write([]byte("R")); err != nil {
 		return fmt.Errorf("reporting readiness: %w", err)
@@ -179,6 +188,18 @@ type daemon struct {
 	report     *agentv1.OSInstallationReport      // sent with every heartbeat until acknowledged
 	reboot     bool                               // reboot once report is acknowledged (if it is a success)
 	stateLost  bool                               // the generation file was unreadable; see refuseUnknown
+
+	// Heartbeat datagrams (datagram.go). A TLS heartbeat the server
+	// accepted grants a key for them; with it, and no report to deliver,
+	// heartbeats go as datagrams until the server asks for a TLS call or
+	// stops answering, and the TLS connection is closed after each call,
+	// so that the server holds nothing for this agent between heartbeats.
+	machine      uuid.UUID
+	agentKey     ed25519.PublicKey
+	closeIdle    func()           // closes the idle TLS connection; nil: none to close
+	dialDatagram dialDatagramFunc // nil: dialUDP
+	dg           *datagrams       // the grant of the last TLS heartbeat; nil: heartbeats go over TLS
+	counter      uint64           // the last datagram counter sent, or the server's floor if higher
 }
 
 // ErrRetired is what the daemon returns when the callback server answers
@@ -284,6 +305,7 @@ func (d *daemon) run(ctx context.Context) error {
 	started, accepted := time.Now(), false
 	timer := time.NewTimer(0)
 	defer timer.Stop()
+	defer d.dropGrant()
 	for {
 		select {
 		case <-ctx.Done():
@@ -297,12 +319,48 @@ func (d *daemon) run(ctx context.Context) error {
 			d.finished(ctx, r)
 		case <-timer.C:
 		}
+		if d.dg != nil && hw == nil && d.report == nil {
+			r, err := d.dg.beat(ctx, &d.counter, d.handled)
+			switch {
+			case ctx.Err() != nil:
+				continue
+			case err != nil:
+				d.log.WarnContext(ctx, "heartbeat datagrams unanswered, calling over TLS", "err", err)
+			case r.Status == pulse.StatusRecorded:
+				backoff, accepted = 0, true
+				timer.Reset(d.interval(r.NextIn))
+				continue
+			case r.Status == pulse.StatusRetryLater:
+				// As with a TLS retry pushback; TLS would cost a
+				// handshake and record nothing more.
+				backoff = 0
+				wait := pushbackWait(r.NextIn)
+				d.log.WarnContext(ctx, "heartbeat datagram not recorded, retrying as the server asks", "retry_in", wait.Round(time.Millisecond))
+				timer.Reset(wait)
+				continue
+			default:
+				d.log.InfoContext(ctx, "the server asks for a heartbeat over TLS")
+			}
+		}
+		// A TLS heartbeat replaces the grant: an accepted one comes with a
+		// new one, a refused one means the key is worthless.
+		hadGrant := d.dropGrant()
 		// The reports go with every heartbeat until the server says it
 		// stored them: an accepted heartbeat alone does not say so.
 		req := &agentv1.HeartbeatRequest{MachineId: d.init.GetMachineId(), AgentVersion: Version(), InstallationReport: d.report, HardwareReport: hw}
 		rctx, cancel := context.WithTimeout(ctx, heartbeatTimeout)
 		resp, err := d.client.Heartbeat(rctx, connect.NewRequest(req))
 		cancel()
+		if err == nil {
+			d.takeGrant(ctx, resp.Msg.GetDatagramGrant(), hadGrant)
+		}
+		if (hadGrant || d.dg != nil) && d.closeIdle != nil {
+			// The next heartbeat goes as a datagram: the server need not
+			// hold this agent's connection in between. Without a grant
+			// (an old server, or one with datagrams off) the connection
+			// is kept, so that a heartbeat costs no handshake.
+			d.closeIdle()
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				continue
@@ -352,12 +410,52 @@ func (d *daemon) run(ctx context.Context) error {
 		if ir := resp.Msg.GetInstallationRequest(); ir != nil {
 			d.maybeInstall(installCtx, ir)
 		}
-		interval := d.cfg.Interval
-		if n := resp.Msg.GetNextHeartbeatIn(); n != nil && n.AsDuration() > 0 {
-			interval = min(n.AsDuration(), 24*time.Hour)
-		}
-		timer.Reset(interval)
+		timer.Reset(d.interval(resp.Msg.GetNextHeartbeatIn().AsDuration()))
 	}
+}
+
+// interval is the wait before the next heartbeat when the server asks for
+// next: the configured interval if it asks for none (or for no positive
+// wait), at most a day.
+func (d *daemon) interval(next time.Duration) time.Duration {
+	if next <= 0 {
+		return d.cfg.Interval
+	}
+	return min(next, 24*time.Hour)
+}
+
+// takeGrant keeps the datagram grant g of an accepted TLS heartbeat (nil:
+// the server grants none, and heartbeats stay on TLS). hadGrant says the
+// agent held one before that heartbeat. g is never logged: its String
+// prints the key.
+func (d *daemon) takeGrant(ctx context.Context, g *agentv1.DatagramGrant, hadGrant bool) {
+	if g == nil {
+		return
+	}
+	dial := d.dialDatagram
+	if dial == nil {
+		dial = dialUDP
+	}
+	dg, err := newDatagrams(ctx, dial, d.init.GetServerEndpoint(), g, d.machine, d.agentKey)
+	if err != nil {
+		d.log.WarnContext(ctx, "ignoring the server's datagram grant; heartbeats stay on TLS", "err", err)
+		return
+	}
+	d.dg = dg
+	d.counter = max(d.counter, g.GetCounterFloor())
+	if !hadGrant {
+		d.log.InfoContext(ctx, "heartbeats go as datagrams", "port", g.GetPort())
+	}
+}
+
+// dropGrant forgets the datagram grant, and reports whether there was one.
+func (d *daemon) dropGrant() bool {
+	if d.dg == nil {
+		return false
+	}
+	d.dg.close()
+	d.dg = nil
+	return true
 }
 
 // refuseUnknown settles which generations are new when the generation
@@ -412,7 +510,13 @@ func retryPushback(err error) (time.Duration, bool) {
 	if perr != nil || ms < 0 {
 		return 0, false
 	}
-	return min(max(jitter(time.Duration(min(ms, maxPushback.Milliseconds()))*time.Millisecond), minPushback), maxPushback), true
+	return pushbackWait(time.Duration(min(ms, maxPushback.Milliseconds())) * time.Millisecond), true
+}
+
+// pushbackWait is the wait when the server asks for one of asked (≥ 0)
+// before a retry: jittered, within [minPushback, maxPushback].
+func pushbackWait(asked time.Duration) time.Duration {
+	return min(max(jitter(min(asked, maxPushback)), minPushback), maxPushback)
 }
 
 // maybeInstall starts the installation ir asks for unless its generation

@@ -66,6 +66,13 @@ func (s *scriptedCallback) received() []time.Time {
 // returns what its loop returned.
 func runDaemon(t *testing.T, cfg daemonConfig, script func(ctx context.Context, n int, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error)) (cb *scriptedCallback, stop func() error, exited <-chan error) {
 	t.Helper()
+	return runDaemonWith(t, cfg, script, nil)
+}
+
+// runDaemonWith is runDaemon calling setup, if not nil, on the daemon
+// before its loop starts.
+func runDaemonWith(t *testing.T, cfg daemonConfig, script func(ctx context.Context, n int, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error), setup func(d *daemon)) (cb *scriptedCallback, stop func() error, exited <-chan error) {
+	t.Helper()
 	cb = &scriptedCallback{script: script}
 	mux := http.NewServeMux()
 	mux.Handle(agentv1connect.NewAgentCallbackServiceHandler(cb))
@@ -85,6 +92,9 @@ func runDaemon(t *testing.T, cfg daemonConfig, script func(ctx context.Context, 
 		client: agentv1connect.NewAgentCallbackServiceClient(&http.Client{Transport: tr}, "http://callback.test:7443", connect.WithGRPC()),
 		log:    slog.New(slog.NewTextHandler(t.Output(), nil)),
 		done:   make(chan *agentv1.OSInstallationReport, 1),
+	}
+	if setup != nil {
+		setup(d)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
 	errc := make(chan error, 1)

@@ -1,0 +1,490 @@
+package agent
+
+import (
+	"context"
+	"crypto/ed25519"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/google/uuid"
+
+	"github.com/shepherd/shepherd/api/agent/pulse"
+	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
+)
+
+// The tests in this file run the daemon's loop in a synctest bubble, as
+// heartbeat_test.go does, with a grant from the scripted callback server
+// and a scripted datagram peer. The daemon's datagram socket is an
+// in-memory pipe (net.Pipe) in place of a UDP socket, which would keep the
+// virtual clock from moving; it keeps datagrams whole, as each read has
+// room for a whole one. The real UDP path, and the TLS connection closed
+// between heartbeats, are tested in daemon_test.go against real sockets.
+
+// datagramPeer is the server's side of the datagrams: it checks each
+// request's MAC under key and answers the n-th (from 0) with the datagrams
+// answer returns, in order (none: dropped).
+type datagramPeer struct {
+	t      *testing.T
+	key    pulse.Key
+	answer func(n int, req pulse.Request) [][]byte
+
+	mu    sync.Mutex
+	got   []datagram
+	addrs []string
+}
+
+// datagram is a request the peer received, and when.
+type datagram struct {
+	at  time.Time
+	req pulse.Request
+}
+
+func newDatagramPeer(t *testing.T, answer func(p *datagramPeer, n int, req pulse.Request) [][]byte) *datagramPeer {
+	p := &datagramPeer{t: t}
+	copy(p.key[:], "the key of this machine's agent.")
+	p.answer = func(n int, req pulse.Request) [][]byte { return answer(p, n, req) }
+	return p
+}
+
+// dial is the daemon's dialDatagram.
+func (p *datagramPeer) dial(_ context.Context, addr string) (net.Conn, error) {
+	p.mu.Lock()
+	p.addrs = append(p.addrs, addr)
+	p.mu.Unlock()
+	agentEnd, peerEnd := net.Pipe()
+	go p.serve(peerEnd)
+	return agentEnd, nil
+}
+
+func (p *datagramPeer) serve(c net.Conn) {
+	defer c.Close()
+	buf := make([]byte, 2*pulse.RequestSize)
+	for {
+		n, err := c.Read(buf)
+		if err != nil {
+			return // the agent closed its socket
+		}
+		req, err := pulse.ParseRequest(buf[:n])
+		if err == nil {
+			err = pulse.VerifyRequest(buf[:n], &p.key)
+		}
+		if err != nil {
+			p.t.Errorf("the agent sent a datagram the server cannot take: %v", err)
+			continue
+		}
+		p.mu.Lock()
+		k := len(p.got)
+		p.got = append(p.got, datagram{time.Now(), req})
+		p.mu.Unlock()
+		if replies := p.answer(k, req); len(replies) > 0 {
+			// A write waits for the agent to read; the agent reads only
+			// while it waits for a reply.
+			go func() {
+				for _, r := range replies {
+					if _, err := c.Write(r); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}
+}
+
+func (p *datagramPeer) received() []datagram {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]datagram(nil), p.got...)
+}
+
+func (p *datagramPeer) dialed() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.addrs...)
+}
+
+// reply is the server's reply to req under the peer's key.
+func (p *datagramPeer) reply(req pulse.Request, st pulse.Status, next time.Duration) []byte {
+	return sealReply(&p.key, req.Counter, st, next)
+}
+
+func sealReply(k *pulse.Key, counter uint64, st pulse.Status, next time.Duration) []byte {
+	r := pulse.Reply{Counter: counter, Status: st, NextIn: next}
+	return r.Seal(nil, k)
+}
+
+// grant is a grant of the peer's key at port with floor.
+func (p *datagramPeer) grant(port uint32, floor uint64) *agentv1.DatagramGrant {
+	return &agentv1.DatagramGrant{Key: append([]byte(nil), p.key[:]...), Port: port, CounterFloor: floor}
+}
+
+var testAgentKey = ed25519.NewKeyFromSeed(make([]byte, ed25519.SeedSize)).Public().(ed25519.PublicKey)
+
+// withDatagrams sets the daemon up to send its datagrams to p, counting
+// the closes of its idle TLS connection in closes, and, if generation is
+// not "", with that content in its generation file.
+func withDatagrams(t *testing.T, p *datagramPeer, closes *atomic.Int32, generation string) func(d *daemon) {
+	return func(d *daemon) {
+		d.machine = uuid.MustParse(d.init.GetMachineId())
+		d.agentKey = testAgentKey
+		d.dialDatagram = p.dial
+		d.closeIdle = func() { closes.Add(1) }
+		if generation != "" {
+			if err := os.WriteFile(filepath.Join(d.cfg.StateDir, generationFile), []byte(generation), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// checkTimes fails the test unless there are as many times as windows,
+// each (since start) in its window.
+func checkTimes(t *testing.T, what string, start time.Time, at []time.Time, want []window) {
+	t.Helper()
+	var since []time.Duration
+	for _, a := range at {
+		since = append(since, a.Sub(start))
+	}
+	if len(at) != len(want) {
+		t.Errorf("%d %s, at %v; want %d", len(at), what, since, len(want))
+		return
+	}
+	for i, w := range want {
+		if since[i] < w.lo || since[i] > w.hi {
+			t.Errorf("%s %d at %s, want [%s, %s]; all at %v", what, i+1, since[i], w.lo, w.hi, since)
+		}
+	}
+}
+
+// TestDatagramHeartbeats: after a TLS heartbeat that grants datagrams (and
+// records the hardware report), heartbeats go as datagrams to the port of
+// the grant on the host of the server endpoint, with counters strictly
+// increasing above the grant's floor, the generation the agent knows and
+// its identity, on the schedule the replies ask for; the TLS connection is
+// closed after the granting call, and no TLS heartbeat follows.
+func TestDatagramHeartbeats(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		const interval = 45 * time.Second
+		p := newDatagramPeer(t, func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+			next := 30 * time.Second
+			if n == 1 {
+				next = 0 // the agent's own interval
+			}
+			return [][]byte{p.reply(req, pulse.StatusRecorded, next)}
+		})
+		var closes atomic.Int32
+		var machine atomic.Pointer[string]
+		start := time.Now()
+		cb, stop, _ := runDaemonWith(t, daemonConfig{Interval: interval, MaxBackoff: time.Minute},
+			func(_ context.Context, n int, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+				machine.Store(&req.MachineId)
+				r := answer(20 * time.Second)
+				r.DatagramGrant = p.grant(9, 5)
+				return r, nil
+			}, withDatagrams(t, p, &closes, "3\n"))
+		time.Sleep(2 * time.Minute)
+		if err := stop(); err != nil {
+			t.Errorf("the daemon returned %v when stopped, want nil", err)
+		}
+		checkTimes(t, "TLS heartbeats", start, cb.received(), []window{exactly(0)})
+		got := p.received()
+		var at []time.Time
+		for i, g := range got {
+			at = append(at, g.at)
+			if want := uint64(6 + i); g.req.Counter != want {
+				t.Errorf("datagram %d has counter %d, want %d: the floor 5 of the grant, then one more each", i+1, g.req.Counter, want)
+			}
+			if g.req.KnownGeneration != 3 {
+				t.Errorf("datagram %d says the agent knows generation %d, want 3, the one it handled", i+1, g.req.KnownGeneration)
+			}
+			if g.req.MachineID.String() != *machine.Load() || !g.req.AgentKey.Equal(testAgentKey) {
+				t.Errorf("datagram %d is from machine %s with key %x, want the daemon's", i+1, g.req.MachineID, g.req.AgentKey)
+			}
+		}
+		checkTimes(t, "datagrams", start, at, []window{exactly(20 * time.Second), exactly(50 * time.Second), exactly(95 * time.Second)})
+		if a := p.dialed(); len(a) != 1 || a[0] != "callback.test:9" {
+			t.Errorf("datagram sockets connected to %v, want one to callback.test:9", a)
+		}
+		if n := closes.Load(); n != 1 {
+			t.Errorf("the idle TLS connection was closed %d times, want once, after the granting heartbeat", n)
+		}
+	})
+}
+
+// TestDatagramFallbacks: what each reply, or none, makes the agent do
+// next, on the virtual clock. Every case starts with a TLS heartbeat at 0
+// that grants datagrams (floor 5) and asks for the next heartbeat in 10s.
+func TestDatagramFallbacks(t *testing.T) {
+	t.Parallel()
+	other := pulse.Key{1, 2, 3}
+	s := time.Second
+	for _, c := range []struct {
+		name string
+		// first answers the first TLS heartbeat, if given; tls the n-th
+		// after it (from 1), if given, else answer(idle).
+		first    func(p *datagramPeer) *agentv1.HeartbeatResponse
+		tls      func(p *datagramPeer, n int) *agentv1.HeartbeatResponse
+		answer   func(p *datagramPeer, n int, req pulse.Request) [][]byte
+		tlsAt    []window // TLS heartbeats after the first
+		dgAt     []window
+		counters []uint64 // of the datagrams, if given
+		closes   int32
+		// generation and report: the state directory holds that
+		// generation file and a success report of generation 5 to deliver
+		generation string
+		report     bool
+	}{
+		{
+			name:     "unanswered: three tries 2s apart, then TLS",
+			answer:   func(*datagramPeer, int, pulse.Request) [][]byte { return nil },
+			tls:      func(*datagramPeer, int) *agentv1.HeartbeatResponse { return answer(idle) },
+			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s)},
+			counters: []uint64{6, 7, 8},
+			tlsAt:    []window{exactly(16 * s)},
+			closes:   2, // after the first TLS heartbeat, and after the fallback, which still held the grant
+		},
+		{
+			name: "unanswered, then granted again: back to datagrams, counters go on",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n < 3 {
+					return nil
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.DatagramGrant = p.grant(9, 6) // the server's floor is the last counter it took, not the last sent
+				return r
+			},
+			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), exactly(26 * s)},
+			counters: []uint64{6, 7, 8, 9},
+			tlsAt:    []window{exactly(16 * s)},
+			closes:   2,
+		},
+		{
+			name: "call TLS: at once",
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusCallTLS, 0)}
+			},
+			tls:    func(*datagramPeer, int) *agentv1.HeartbeatResponse { return answer(idle) },
+			dgAt:   []window{exactly(10 * s)},
+			tlsAt:  []window{exactly(10 * s)},
+			closes: 2,
+		},
+		{
+			name: "a TLS answer without a grant ends datagrams",
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusCallTLS, 0)}
+			},
+			tls: func(_ *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				if n == 1 {
+					return answer(10 * time.Second)
+				}
+				return answer(idle)
+			},
+			dgAt:   []window{exactly(10 * s)},
+			tlsAt:  []window{exactly(10 * s), exactly(20 * s)},
+			closes: 2,
+		},
+		{
+			name: "retry later: the datagram again after the wait asked for, jittered, not TLS",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n < 3 {
+					return [][]byte{p.reply(req, pulse.StatusRetryLater, 2*time.Second)}
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			dgAt: []window{exactly(10 * s), {10*s + 2*s*8/10, 10*s + 2*s*12/10},
+				{10*s + 2*2*s*8/10, 10*s + 2*2*s*12/10}, {10*s + 3*2*s*8/10, 10*s + 3*2*s*12/10}},
+			counters: []uint64{6, 7, 8, 9},
+			closes:   1,
+		},
+		{
+			name: "forged, stale, malformed and other counters' replies are ignored",
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				// Each would make the agent call over TLS at once.
+				callTLS := p.reply(req, pulse.StatusCallTLS, 0)
+				return [][]byte{
+					sealReply(&other, req.Counter, pulse.StatusCallTLS, 0),   // another key
+					sealReply(&p.key, req.Counter-1, pulse.StatusCallTLS, 0), // an earlier heartbeat's counter
+					sealReply(&p.key, req.Counter+1, pulse.StatusCallTLS, 0), // a counter not sent yet
+					callTLS[:pulse.ReplySize-1],                              // cut short
+					append(append([]byte(nil), callTLS...), 0),               // too long
+					p.reply(req, pulse.StatusRecorded, 30*time.Minute),
+				}
+			},
+			dgAt:   []window{exactly(10 * s), exactly(10*s + 30*time.Minute)},
+			closes: 1,
+		},
+		{
+			name: "a late reply to an earlier try of the same heartbeat counts",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n == 1 {
+					return [][]byte{p.reply(pulse.Request{Counter: req.Counter - 1}, pulse.StatusRecorded, idle)}
+				}
+				return nil
+			},
+			dgAt:   []window{exactly(10 * s), exactly(12 * s)},
+			closes: 1,
+		},
+		{
+			name: "a report to deliver goes over TLS",
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			first: func(p *datagramPeer) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.HardwareReportRecorded = false
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.HardwareReportRecorded = n >= 2
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			tlsAt:  []window{exactly(10 * s), exactly(20 * s)},
+			dgAt:   []window{exactly(30 * s)},
+			closes: 3,
+		},
+		{
+			name:       "an installation report to deliver goes over TLS",
+			generation: "5\n",
+			report:     true,
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				if n >= 2 {
+					r.InstallationReportRecorded = 5
+				}
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			tlsAt:  []window{exactly(10 * s), exactly(20 * s)},
+			dgAt:   []window{exactly(30 * s)},
+			closes: 3,
+		},
+		{
+			name: "a grant with a short key is ignored",
+			first: func(*datagramPeer) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.DatagramGrant = &agentv1.DatagramGrant{Key: make([]byte, 16), Port: 9}
+				return r
+			},
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tlsAt: []window{exactly(10 * s)},
+		},
+		{
+			name: "a grant without a port is ignored",
+			first: func(p *datagramPeer) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.DatagramGrant = p.grant(0, 0)
+				return r
+			},
+			answer: func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tlsAt: []window{exactly(10 * s)},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			synctest.Test(t, func(t *testing.T) {
+				p := newDatagramPeer(t, c.answer)
+				var closes atomic.Int32
+				start := time.Now()
+				cb, stop, _ := runDaemonWith(t, daemonConfig{Interval: time.Hour, MaxBackoff: time.Minute},
+					func(_ context.Context, n int, _ *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+						switch {
+						case n == 0 && c.first != nil:
+							return c.first(p), nil
+						case n == 0:
+							r := answer(10 * time.Second)
+							r.DatagramGrant = p.grant(9, 5)
+							return r, nil
+						case c.tls != nil:
+							return c.tls(p, n), nil
+						}
+						return answer(idle), nil
+					}, func(d *daemon) {
+						withDatagrams(t, p, &closes, c.generation)(d)
+						if c.report {
+							r := &agentv1.OSInstallationReport{Generation: 5, Result: &agentv1.OSInstallationReport_Success{Success: &agentv1.InstallationSuccess{}}}
+							if err := writeReport(d.cfg.StateDir, r, false); err != nil {
+								t.Fatal(err)
+							}
+						}
+					})
+				time.Sleep(time.Hour)
+				if err := stop(); err != nil {
+					t.Errorf("the daemon returned %v when stopped, want nil", err)
+				}
+				checkTimes(t, "TLS heartbeats after the first", start, cb.received()[1:], c.tlsAt)
+				var at []time.Time
+				var counters []uint64
+				for _, g := range p.received() {
+					at, counters = append(at, g.at), append(counters, g.req.Counter)
+				}
+				checkTimes(t, "datagrams", start, at, c.dgAt)
+				if c.counters != nil && !slices.Equal(counters, c.counters) {
+					t.Errorf("datagram counters %v, want %v", counters, c.counters)
+				}
+				if n := closes.Load(); n != c.closes {
+					t.Errorf("the idle TLS connection was closed %d times, want %d", n, c.closes)
+				}
+			})
+		})
+	}
+}
+
+// TestDatagramRetired: a decommissioned machine's datagram is answered
+// "call TLS", and the TLS call's PermissionDenied stops the daemon at once
+// with ErrRetired, as it does without datagrams.
+func TestDatagramRetired(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		p := newDatagramPeer(t, func(p *datagramPeer, _ int, req pulse.Request) [][]byte {
+			return [][]byte{p.reply(req, pulse.StatusCallTLS, 0)}
+		})
+		var closes atomic.Int32
+		start := time.Now()
+		cb, _, exited := runDaemonWith(t, daemonConfig{Interval: time.Hour, MaxBackoff: time.Minute},
+			func(_ context.Context, n int, _ *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+				if n == 0 {
+					r := answer(10 * time.Second)
+					r.DatagramGrant = p.grant(9, 5)
+					return r, nil
+				}
+				return nil, connect.NewError(connect.CodePermissionDenied, errors.New("machine decommissioned"))
+			}, withDatagrams(t, p, &closes, ""))
+		var err error
+		select {
+		case err = <-exited:
+		case <-time.After(time.Hour):
+			t.Fatal("the daemon still runs an hour after the server said the machine was decommissioned")
+		}
+		if !errors.Is(err, ErrRetired) {
+			t.Errorf("the daemon returned %v, want ErrRetired", err)
+		}
+		if took := time.Since(start); took != 10*time.Second {
+			t.Errorf("the daemon returned %s after the start, want 10s: at the first datagram's TLS call", took)
+		}
+		if n, m := len(cb.received()), len(p.received()); n != 2 || m != 1 {
+			t.Errorf("%d TLS heartbeats and %d datagrams, want 2 and 1", n, m)
+		}
+	})
+}
