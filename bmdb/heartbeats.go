@@ -3,6 +3,7 @@ package bmdb
 import (
 	"context"
 	"crypto/ed25519"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"maps"
@@ -20,6 +21,11 @@ import (
 type Heartbeat struct {
 	MachineID uuid.UUID
 	AgentKey  ed25519.PublicKey
+	// Counter is 0 for a heartbeat that came over TLS. For one that came
+	// as a datagram it is the datagram's counter, which must be above
+	// every counter accepted for the machine before (see RecordHeartbeats);
+	// a negative Counter is refused (HeartbeatResult.Err).
+	Counter int64
 	// Hardware and Installation are set when the agent sent those reports.
 	Hardware     *HardwareReport
 	Installation *InstallationReport
@@ -40,8 +46,20 @@ type HardwareReport struct {
 type HeartbeatResult struct {
 	// Accepted means the key is the machine's current agent key, and the
 	// heartbeat and its reports were recorded. A heartbeat for an unknown
-	// machine is simply not accepted, like one with a wrong key.
+	// machine is simply not accepted, like one with a wrong key. A
+	// datagram must also carry a counter above the machine's stored one.
 	Accepted bool
+	// Counter is, for an accepted heartbeat (TLS or datagram), the
+	// machine's datagram counter after it was recorded: the highest
+	// accepted so far, 0 if none. The callback server hands it to the
+	// agent as the floor its next datagrams must be above. It is 0 when
+	// not accepted.
+	Counter int64
+	// Replayed means the key was the machine's current agent key but the
+	// heartbeat was a datagram whose counter was not above the stored one:
+	// it is not accepted and nothing of it was recorded (the heartbeat
+	// time is unchanged).
+	Replayed bool
 	// HardwareRecorded and InstallationRecorded acknowledge the reports
 	// the heartbeat carried: the agent sends them until they are.
 	// InstallationRecorded is the generation stored, 0 if none.
@@ -76,6 +94,22 @@ type PendingInstallation struct {
 // exactly when its heartbeat is. Duplicates in a batch are recorded once;
 // reports of a duplicate come from the last one.
 //
+// A datagram heartbeat (Counter > 0) counts only if, in addition, its
+// counter is above the machine's stored datagram counter, which it then
+// becomes; otherwise it is Replayed. The comparison is made under the row
+// lock, so of two batches carrying the same datagram at once (two callback
+// servers), at most one accepts it. A TLS heartbeat (Counter 0) does not
+// touch the counter. Heartbeats of the same machine and key in one batch
+// are settled so that a replay is never accepted and a genuine heartbeat
+// is never refused for its company:
+//   - of several datagrams, the first with the highest counter stands for
+//     them all; the others are Replayed if it was accepted or replayed
+//     (their counters are at most its own, which is now stored or below
+//     the stored one), else they share its result (a wrong key, an Err);
+//   - TLS heartbeats that share the batch with a datagram are recorded
+//     after it, in a second statement, so each gets what it would alone
+//     and reports the counter the datagram left.
+//
 // If the database refuses the batch for its content (a value it cannot
 // store, a heartbeat that raced a recovery), the batch is split and retried
 // until the heartbeats at fault are alone; they get Err, the others are
@@ -83,10 +117,127 @@ type PendingInstallation struct {
 // down) fails the whole call.
 func (db *DB) RecordHeartbeats(ctx context.Context, hbs []Heartbeat) ([]HeartbeatResult, error) {
 	out := make([]HeartbeatResult, len(hbs))
-	if err := db.recordIsolating(ctx, hbs, out); err != nil {
-		return nil, fmt.Errorf("bmdb: recording heartbeats: %w", err)
+	plan := planHeartbeats(hbs)
+	if plan.simple {
+		if err := db.recordIsolating(ctx, hbs, out); err != nil {
+			return nil, fmt.Errorf("bmdb: recording heartbeats: %w", err)
+		}
+		return out, nil
+	}
+	for i, h := range hbs {
+		if h.Counter < 0 {
+			out[i] = HeartbeatResult{Err: fmt.Errorf("%w: negative datagram counter %d", ErrInvalidHeartbeat, h.Counter)}
+		}
+	}
+	for _, round := range [][]int{plan.first, plan.second} {
+		if err := db.recordSubset(ctx, hbs, out, round); err != nil {
+			return nil, fmt.Errorf("bmdb: recording heartbeats: %w", err)
+		}
+	}
+	for i, by := range plan.standIn {
+		if r := out[by]; r.Accepted || r.Replayed {
+			out[i] = HeartbeatResult{Replayed: true}
+		} else {
+			out[i] = r
+		}
 	}
 	return out, nil
+}
+
+// heartbeatPlan says which statements record which heartbeats of a batch.
+type heartbeatPlan struct {
+	// simple means the batch can go in one statement as it is: no
+	// negative counter, and no (machine, key) pair with a datagram and
+	// another heartbeat. first and second are then nil.
+	simple bool
+	// first and second are the indexes of the heartbeats recorded by the
+	// first and by the second statement: second holds the TLS heartbeats
+	// of pairs that also have a datagram in the batch.
+	first, second []int
+	// standIn maps each datagram left out to the datagram of its pair that
+	// was recorded in its stead (the first with the highest counter).
+	standIn map[int]int
+}
+
+// planHeartbeats splits a batch so that, within each statement, the
+// heartbeats of one (machine, key) pair are all TLS or a single datagram,
+// and a pair's datagram is recorded before its TLS heartbeats.
+func planHeartbeats(hbs []Heartbeat) heartbeatPlan {
+	type pair struct {
+		machine uuid.UUID
+		key     string
+	}
+	type group struct {
+		datagram int   // index of the datagram standing for the pair, -1 if none
+		tls      []int // indexes of its TLS heartbeats
+		others   []int // indexes of its other datagrams
+	}
+	var order []pair
+	groups := make(map[pair]*group, len(hbs))
+	simple := true
+	for i, h := range hbs {
+		if h.Counter < 0 {
+			simple = false
+			continue
+		}
+		k := pair{h.MachineID, string(h.AgentKey)}
+		g, ok := groups[k]
+		if !ok {
+			g = &group{datagram: -1}
+			groups[k] = g
+			order = append(order, k)
+		} else if h.Counter > 0 || g.datagram >= 0 {
+			simple = false // a datagram with company
+		}
+		switch {
+		case h.Counter == 0:
+			g.tls = append(g.tls, i)
+		case g.datagram < 0:
+			g.datagram = i
+		case h.Counter > hbs[g.datagram].Counter:
+			g.others = append(g.others, g.datagram)
+			g.datagram = i
+		default:
+			g.others = append(g.others, i)
+		}
+	}
+	if simple {
+		return heartbeatPlan{simple: true}
+	}
+	p := heartbeatPlan{standIn: map[int]int{}}
+	for _, k := range order {
+		g := groups[k]
+		if g.datagram < 0 {
+			p.first = append(p.first, g.tls...)
+			continue
+		}
+		p.first = append(p.first, g.datagram)
+		p.second = append(p.second, g.tls...)
+		for _, i := range g.others {
+			p.standIn[i] = g.datagram
+		}
+	}
+	return p
+}
+
+// recordSubset records the heartbeats of hbs at indexes idx, and puts
+// their results at the same indexes of out.
+func (db *DB) recordSubset(ctx context.Context, hbs []Heartbeat, out []HeartbeatResult, idx []int) error {
+	if len(idx) == 0 {
+		return nil
+	}
+	sub := make([]Heartbeat, len(idx))
+	for j, i := range idx {
+		sub[j] = hbs[i]
+	}
+	res := make([]HeartbeatResult, len(idx))
+	if err := db.recordIsolating(ctx, sub, res); err != nil {
+		return err
+	}
+	for j, i := range idx {
+		out[i] = res[j]
+	}
+	return nil
 }
 
 // recordIsolating records hbs into out, halving the batch whenever the
@@ -108,7 +259,10 @@ func (db *DB) recordIsolating(ctx context.Context, hbs []Heartbeat, out []Heartb
 	return db.recordIsolating(ctx, hbs[mid:], out[mid:])
 }
 
-// recordBatch records hbs in one statement and fills out.
+// recordBatch records hbs in one statement and fills out. The heartbeats of
+// one (machine, key) pair are recorded once, with the highest of their
+// counters: RecordHeartbeats sees that a pair with a datagram has nothing
+// else in the batch.
 func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatResult) error {
 	type pair struct {
 		machine uuid.UUID
@@ -128,7 +282,9 @@ func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatR
 			p.Ordinals = append(p.Ordinals, o)
 			p.MachineIds = append(p.MachineIds, h.MachineID)
 			p.PublicKeys = append(p.PublicKeys, h.AgentKey)
+			p.Counters = append(p.Counters, h.Counter)
 		}
+		p.Counters[o] = max(p.Counters[o], h.Counter)
 		slot[i] = o
 		if h.Hardware != nil {
 			hw[o] = h.Hardware
@@ -171,7 +327,11 @@ func (db *DB) recordBatch(ctx context.Context, hbs []Heartbeat, out []HeartbeatR
 		if r.Ordinal < 0 || int(r.Ordinal) >= len(byOrdinal) {
 			return fmt.Errorf("database returned ordinal %d of %d", r.Ordinal, len(byOrdinal))
 		}
-		res := &HeartbeatResult{Accepted: true, HardwareRecorded: r.HardwareRecorded}
+		if !r.Accepted {
+			byOrdinal[r.Ordinal] = &HeartbeatResult{Replayed: true}
+			continue
+		}
+		res := &HeartbeatResult{Accepted: true, Counter: r.DatagramCounter, HardwareRecorded: r.HardwareRecorded}
 		if r.InstallationRecorded != nil {
 			res.InstallationRecorded = *r.InstallationRecorded
 		}
@@ -362,4 +522,54 @@ func (db *DB) AgentKeys(ctx context.Context, fn func(machine uuid.UUID, key ed25
 		fn(r.MachineID, ed25519.PublicKey(r.AgentPublicKey))
 	}
 	return nil
+}
+
+// datagramSecretSize is the size of the datagram secret: the key size of
+// HMAC-SHA256, the MAC keys derived from it.
+const datagramSecretSize = 32
+
+// DatagramSecret returns the 32-byte secret that every callback server
+// derives the MAC keys of heartbeat datagrams from, so that a datagram may
+// reach any of them. The first call against a database creates it from
+// crypto/rand; every later call, by any process, returns the same bytes.
+// While the database is unavailable (see [Unavailable]) it retries until
+// ctx ends.
+//
+// Whoever can read the secret can forge datagram heartbeats for any machine
+// whose agent key they know, as whoever can write the BMDB can forge any
+// heartbeat: keep it out of logs, errors and everything shown to operators.
+func (db *DB) DatagramSecret(ctx context.Context) ([]byte, error) {
+	fresh := make([]byte, datagramSecretSize)
+	if _, err := rand.Read(fresh); err != nil {
+		return nil, fmt.Errorf("bmdb: generating the heartbeat datagram secret: %w", err)
+	}
+	pause := 20 * time.Millisecond
+	for {
+		secret, err := db.datagramSecret(ctx, fresh)
+		if err == nil {
+			return secret, nil
+		}
+		if !Unavailable(err) || !sleep(ctx, jitter(pause)) {
+			return nil, fmt.Errorf("bmdb: reading the heartbeat datagram secret: %w", err)
+		}
+		pause = min(2*pause, time.Second)
+	}
+}
+
+// datagramSecret stores fresh as the secret unless one exists, then reads
+// the secret. The read is a second statement, with a snapshot of its own,
+// so that it sees the secret that a concurrent first call committed while
+// this one's insert waited on it; both statements may be repeated.
+func (db *DB) datagramSecret(ctx context.Context, fresh []byte) ([]byte, error) {
+	if err := db.q.DatagramSecretCreate(ctx, fresh); err != nil {
+		return nil, err
+	}
+	secret, err := db.q.DatagramSecretGet(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if len(secret) != datagramSecretSize {
+		return nil, fmt.Errorf("the stored secret has %d bytes, want %d", len(secret), datagramSecretSize)
+	}
+	return secret, nil
 }

@@ -32,8 +32,29 @@ type batcher struct {
 }
 
 type pendingBeat struct {
-	hb   bmdb.Heartbeat
-	done chan beatResult // buffered: a flusher never blocks on a gone handler
+	hb bmdb.Heartbeat
+	// done receives the result of a heartbeat whose submitter waits for it
+	// (a TLS handler); buffered, so a flusher never blocks on a gone
+	// handler.
+	done chan beatResult
+	// then, if set, is called with the result instead, by the flusher
+	// that wrote the batch (a datagram: nothing waits for it, so no
+	// goroutine is parked per heartbeat in flight). It must not block.
+	then beatCallback
+}
+
+// beatCallback receives the result of a heartbeat nothing waits for.
+type beatCallback interface {
+	beatDone(beatResult)
+}
+
+// finish hands p its result.
+func (p *pendingBeat) finish(r beatResult) {
+	if p.then != nil {
+		p.then.beatDone(r)
+		return
+	}
+	p.done <- r
 }
 
 type beatResult struct {
@@ -74,24 +95,36 @@ func (b *batcher) submit(ctx context.Context, hb bmdb.Heartbeat, verified, unbat
 		return res[0], nil
 	}
 	p := &pendingBeat{hb: hb, done: make(chan beatResult, 1)}
-	if verified {
-		select {
-		case b.verified <- p:
-		case <-ctx.Done():
-			return bmdb.HeartbeatResult{}, ctx.Err()
-		}
-	} else {
-		select {
-		case b.unverified <- p:
-		default:
-			return bmdb.HeartbeatResult{}, errBusy
-		}
+	if err := b.enqueue(ctx, p, verified); err != nil {
+		return bmdb.HeartbeatResult{}, err
 	}
 	select {
 	case r := <-p.done:
 		return r.res, r.err
 	case <-ctx.Done():
 		return bmdb.HeartbeatResult{}, ctx.Err()
+	}
+}
+
+// enqueue queues p for the next batch without waiting for its result: a
+// verified heartbeat waits for room in its queue (until ctx ends), an
+// unverified one is refused with errBusy if its queue is full. Once enqueue
+// returns nil, p is finished exactly once, by a flusher, or by run as the
+// batcher stops.
+func (b *batcher) enqueue(ctx context.Context, p *pendingBeat, verified bool) error {
+	if verified {
+		select {
+		case b.verified <- p:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	select {
+	case b.unverified <- p:
+		return nil
+	default:
+		return errBusy
 	}
 }
 
@@ -110,9 +143,9 @@ func (b *batcher) run(ctx context.Context) {
 	for {
 		select {
 		case p := <-b.verified:
-			p.done <- beatResult{err: errStopped}
+			p.finish(beatResult{err: errStopped})
 		case p := <-b.unverified:
-			p.done <- beatResult{err: errStopped}
+			p.finish(beatResult{err: errStopped})
 		default:
 			return
 		}
@@ -177,9 +210,9 @@ func (b *batcher) flush(ctx context.Context) {
 		}
 		for i, p := range batch {
 			if err != nil {
-				p.done <- beatResult{err: err}
+				p.finish(beatResult{err: err})
 			} else {
-				p.done <- beatResult{res: res[i]}
+				p.finish(beatResult{res: res[i]})
 			}
 		}
 	}

@@ -46,12 +46,20 @@ const (
 	reasonThrottled = "throttled"
 	// reasonRetired: the agent of a decommissioned machine, told to stop.
 	reasonRetired = "retired"
-	reasonOther   = "other"
+	// reasonReplayed: an authentic heartbeat datagram whose counter was
+	// not above the machine's stored one (a replay, or a copy delayed in
+	// the network).
+	reasonReplayed = "replayed"
+	// reasonBadMAC: a heartbeat datagram whose MAC does not match; it is
+	// not answered.
+	reasonBadMAC = "bad_mac"
+	reasonOther  = "other"
 )
 
 var rejectReasons = []string{
 	reasonNoCertificate, reasonUnsupportedKey, reasonUnauthenticated, reasonInvalid,
-	reasonTooLarge, reasonUnavailable, reasonBusy, reasonThrottled, reasonRetired, reasonOther,
+	reasonTooLarge, reasonUnavailable, reasonBusy, reasonThrottled, reasonRetired,
+	reasonReplayed, reasonBadMAC, reasonOther,
 }
 
 // retryPushbackKey is the gRPC trailer that tells a client when to retry
@@ -268,6 +276,7 @@ func (h *heartbeatHandler) heartbeat(ctx context.Context, body rawMessage) (*age
 		NextHeartbeatIn:            durationpb.New(h.s.cfg.HeartbeatInterval),
 		HardwareReportRecorded:     res.HardwareRecorded,
 		InstallationReportRecorded: res.InstallationRecorded,
+		DatagramGrant:              h.s.grant(hb.MachineID, key, res.Counter),
 	}
 	if p := res.Pending; p != nil {
 		var ir agentv1.OSInstallationRequest

@@ -12,6 +12,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -31,6 +32,16 @@ import (
 type Config struct {
 	// Listen is the TCP address to listen on; default ":7443".
 	Listen string
+	// DatagramListen is the UDP address heartbeat datagrams are received
+	// on (package pulse); default: Listen's host and port, over UDP (with
+	// port 0 each socket gets a port of its own). Agents learn the port
+	// from their TLS heartbeat's reply and send to the host of their
+	// server endpoint.
+	DatagramListen string
+	// NoDatagrams opens no UDP socket and grants no agent datagrams, for
+	// networks that cannot pass UDP between agents and the server: every
+	// heartbeat then comes over TLS.
+	NoDatagrams bool
 	// CertFile and KeyFile hold the server's certificate (chain) and key in
 	// PEM. Both empty: use the development CA in DataDir.
 	CertFile, KeyFile string
@@ -91,6 +102,14 @@ func (c Config) Validate() error {
 	if c.CertFile == "" && c.DataDir == "" {
 		return errors.New("server: DataDir is required for the development CA when no CertFile and KeyFile are given")
 	}
+	if c.DatagramListen != "" {
+		if c.NoDatagrams {
+			return fmt.Errorf("server: DatagramListen %q and NoDatagrams contradict each other", c.DatagramListen)
+		}
+		if _, _, err := net.SplitHostPort(c.DatagramListen); err != nil {
+			return fmt.Errorf("server: DatagramListen %q is not a host:port: %w", c.DatagramListen, err)
+		}
+	}
 	if c.HeartbeatInterval < 0 {
 		return fmt.Errorf("server: HeartbeatInterval must be >= 0 (0 = default), got %s", c.HeartbeatInterval)
 	}
@@ -141,8 +160,16 @@ type Server struct {
 	// heartbeats, so that silence it caused does not count.
 	recorder *bmdb.HeartbeatRecorder
 
+	// datagrams serves heartbeat datagrams; nil with NoDatagrams.
+	datagrams *datagramServer
+	// secret is the BMDB's datagram secret (bmdb.DB.DatagramSecret), nil
+	// until read: until then no grant is handed out and no datagram
+	// answered.
+	secret atomic.Pointer[datagramSecret]
+
 	mu       sync.Mutex
 	listener net.Listener
+	udp      *net.UDPConn
 }
 
 // New validates cfg, loads or creates the server's TLS certificate and
@@ -152,6 +179,9 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 		return nil, err
 	}
 	cfg.Listen = cmp.Or(cfg.Listen, ":7443")
+	if !cfg.NoDatagrams {
+		cfg.DatagramListen = cmp.Or(cfg.DatagramListen, cfg.Listen)
+	}
 	cfg.HeartbeatInterval = cmp.Or(cfg.HeartbeatInterval, 30*time.Second)
 	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, 1<<20)
 	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, 1000)
@@ -186,6 +216,9 @@ func New(cfg Config, db *bmdb.DB) (*Server, error) {
 	}
 	s.recorder = db.NewHeartbeatRecorder(s.log)
 	s.batch = newBatcher(db, cfg.MaxBatch, cfg.Flushers, cfg.FlushTimeout, m, s.recorder.Failed)
+	if !cfg.NoDatagrams {
+		s.datagrams = newDatagramServer(s)
+	}
 	return s, nil
 }
 
@@ -224,14 +257,28 @@ func (s *Server) loadTLS() error {
 // TakeoverInit.ca_certificate), or nil if they should use system roots.
 func (s *Server) CA() []byte { return s.ca }
 
-// Listen opens the listener, so that Addr is known before Run. Run calls it
-// if it has not been called.
+// Listen opens the TCP listener and, unless NoDatagrams, the UDP socket,
+// so that their addresses are known before Run. It returns the TCP
+// address (DatagramAddr has the other). Run calls it if it has not been
+// called.
 func (s *Server) Listen() (net.Addr, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.udp == nil && s.datagrams != nil {
+		udp, err := listenUDP(s.cfg.DatagramListen)
+		if err != nil {
+			return nil, err
+		}
+		s.udp = udp
+		s.datagrams.port.Store(uint32(udp.LocalAddr().(*net.UDPAddr).Port))
+	}
 	if s.listener == nil {
 		ln, err := net.Listen("tcp", s.cfg.Listen)
 		if err != nil {
+			if s.udp != nil {
+				_ = s.udp.Close()
+				s.udp = nil
+			}
 			return nil, fmt.Errorf("server: listening on %s: %w", s.cfg.Listen, err)
 		}
 		s.listener = newLimitListener(ln, s.cfg.MaxConnections, s.cfg.MaxConnectionsPerIP, func(reason string) {
@@ -246,6 +293,17 @@ func (s *Server) Listen() (net.Addr, error) {
 		})
 	}
 	return s.listener.Addr(), nil
+}
+
+// DatagramAddr is the UDP address heartbeat datagrams are received on,
+// nil with NoDatagrams or before Listen.
+func (s *Server) DatagramAddr() net.Addr {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.udp == nil {
+		return nil
+	}
+	return s.udp.LocalAddr()
 }
 
 // Run serves until ctx ends, then stops accepting connections, lets
@@ -280,6 +338,30 @@ func (s *Server) Run(ctx context.Context) error {
 		s.log.WarnContext(ctx, "reading the fleet's agent keys; learning them from heartbeats instead", "err", err)
 	}
 	cancel()
+	// The datagram readers and the secret's background read end with ctx,
+	// or when serving fails.
+	runCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
+	// So is the datagram secret, so that the first TLS heartbeats already
+	// carry grants; without it (the database is down) it is read in the
+	// background, and until then agents keep to TLS.
+	secretDone := make(chan struct{})
+	if s.datagrams != nil {
+		lctx, cancel := context.WithTimeout(ctx, s.cfg.FlushTimeout)
+		err := s.loadSecret(lctx)
+		cancel()
+		if err != nil {
+			s.log.WarnContext(ctx, "reading the heartbeat datagram secret; no datagrams until it is read", "err", err)
+			go func() {
+				defer close(secretDone)
+				s.retrySecret(runCtx)
+			}()
+		} else {
+			close(secretDone)
+		}
+	} else {
+		close(secretDone)
+	}
 
 	batchCtx, stopBatch := context.WithCancel(context.WithoutCancel(ctx))
 	batchDone := make(chan struct{})
@@ -296,6 +378,17 @@ func (s *Server) Run(ctx context.Context) error {
 			s.log.ErrorContext(ctx, "heartbeat recorder stopped", "err", err)
 		}
 	}()
+	// Datagram readers stop with ctx; their heartbeats in flight are
+	// answered by the batcher's flushers, which end after them.
+	readersDone := make(chan struct{})
+	if s.datagrams != nil {
+		go func() {
+			defer close(readersDone)
+			s.datagrams.run(runCtx, s.udp)
+		}()
+	} else {
+		close(readersDone)
+	}
 	// Serve returns nil once stopped, or early with the error that made
 	// the listener fail.
 	var serveErr error
@@ -310,6 +403,7 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	case <-served:
 	}
+	stopRun()
 	stopped := make(chan struct{})
 	go func() {
 		gs.GracefulStop()
@@ -323,9 +417,17 @@ func (s *Server) Run(ctx context.Context) error {
 		gs.Stop()
 		<-stopped
 	}
-	// Handlers have returned: nothing waits on the batcher any more.
+	<-readersDone
+	// Handlers and readers have returned: nothing more is submitted to
+	// the batcher, which finishes what it holds (answering the datagrams
+	// among it, so the socket closes only after it).
 	stopBatch()
 	<-batchDone
+	if s.datagrams != nil {
+		s.datagrams.wait()
+		_ = s.udp.Close()
+	}
+	<-secretDone
 	<-recorderDone
 	<-served
 	s.log.InfoContext(ctx, "callback server stopped")

@@ -42,6 +42,31 @@ func (q *Queries) AgentKeyList(ctx context.Context) ([]AgentKeyListRow, error) {
 	return items, nil
 }
 
+const datagramSecretCreate = `-- name: DatagramSecretCreate :exec
+INSERT INTO heartbeat_datagram_secret (secret) VALUES ($1)
+ON CONFLICT (singleton) DO NOTHING
+`
+
+// DatagramSecretCreate stores the secret the MAC keys of heartbeat
+// datagrams derive from, unless one exists (migration 00024): the first
+// callback server to ask creates it, and it never changes.
+func (q *Queries) DatagramSecretCreate(ctx context.Context, secret []byte) error {
+	_, err := q.db.Exec(ctx, datagramSecretCreate, secret)
+	return err
+}
+
+const datagramSecretGet = `-- name: DatagramSecretGet :one
+SELECT secret FROM heartbeat_datagram_secret
+`
+
+// DatagramSecretGet reads the secret of heartbeat datagrams.
+func (q *Queries) DatagramSecretGet(ctx context.Context) ([]byte, error) {
+	row := q.db.QueryRow(ctx, datagramSecretGet)
+	var secret []byte
+	err := row.Scan(&secret)
+	return secret, err
+}
+
 const hardwareReportGet = `-- name: HardwareReportGet :one
 SELECT hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes
 FROM machine_hardware_report
@@ -76,28 +101,36 @@ WITH req AS (
     -- Set-returning functions in a select list run in lockstep: row i pairs
     -- the i-th element of every array.
     SELECT unnest($1::integer[]) AS ordinal, unnest($2::uuid[]) AS machine_id,
-           unnest($3::bytea[]) AS public_key
+           unnest($3::bytea[]) AS public_key, unnest($4::bigint[]) AS counter
 ),
 authed AS (
-    SELECT r.ordinal, s.machine_id
+    SELECT r.ordinal, s.machine_id, r.counter
     FROM req r
     JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
 ),
 beat AS (
-    INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
-    SELECT a.machine_id, now() FROM authed a ORDER BY a.machine_id
-    ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at
-    RETURNING machine_id
+    INSERT INTO machine_agent_heartbeat AS h (machine_id, agent_heartbeat_at, datagram_counter)
+    SELECT a.machine_id, now(), a.counter FROM authed a ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at,
+        datagram_counter = GREATEST(h.datagram_counter, EXCLUDED.datagram_counter)
+    WHERE EXCLUDED.datagram_counter = 0 OR EXCLUDED.datagram_counter > h.datagram_counter
+    RETURNING h.machine_id, h.datagram_counter
+),
+accepted AS (
+    SELECT a.ordinal, a.machine_id
+    FROM authed a
+    JOIN beat b ON b.machine_id = a.machine_id
 ),
 hw AS (
     INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
     SELECT a.machine_id, h.raw, now(), h.cpu_threads, h.memory_bytes, h.disk_count, h.disk_bytes
     FROM (
-        SELECT unnest($4::integer[]) AS ordinal, unnest($5::bytea[]) AS raw,
-               unnest($6::integer[]) AS cpu_threads, unnest($7::bigint[]) AS memory_bytes,
-               unnest($8::integer[]) AS disk_count, unnest($9::bigint[]) AS disk_bytes
+        SELECT unnest($5::integer[]) AS ordinal, unnest($6::bytea[]) AS raw,
+               unnest($7::integer[]) AS cpu_threads, unnest($8::bigint[]) AS memory_bytes,
+               unnest($9::integer[]) AS disk_count, unnest($10::bigint[]) AS disk_bytes
     ) h
-    JOIN authed a ON a.ordinal = h.ordinal
+    JOIN accepted a ON a.ordinal = h.ordinal
     ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE
     SET hardware_report_raw = EXCLUDED.hardware_report_raw,
@@ -113,17 +146,17 @@ prev AS (
     -- reads the same snapshot).
     SELECT r.machine_id, r.generation, r.success
     FROM machine_os_installation_report r
-    JOIN authed a ON a.machine_id = r.machine_id
+    JOIN accepted a ON a.machine_id = r.machine_id
 ),
 ins AS (
     INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
     SELECT a.machine_id, i.generation, i.success, i.error_message, i.raw, now()
     FROM (
-        SELECT unnest($10::integer[]) AS ordinal, unnest($11::bigint[]) AS generation,
-               unnest($12::boolean[]) AS success, unnest($13::text[]) AS error_message,
-               unnest($14::bytea[]) AS raw
+        SELECT unnest($11::integer[]) AS ordinal, unnest($12::bigint[]) AS generation,
+               unnest($13::boolean[]) AS success, unnest($14::text[]) AS error_message,
+               unnest($15::bytea[]) AS raw
     ) i
-    JOIN authed a ON a.ordinal = i.ordinal
+    JOIN accepted a ON a.ordinal = i.ordinal
     ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE
     SET generation = EXCLUDED.generation,
@@ -151,7 +184,7 @@ pending AS (
     -- without a pending request (nearly all of them) looks its machine's
     -- request up once, as before delivered_generation was tracked.
     SELECT q.machine_id, q.generation, q.os_installation_request_raw, q.delivered_generation
-    FROM authed a
+    FROM accepted a
     JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
     LEFT JOIN ins ON ins.machine_id = a.machine_id
     WHERE q.generation IS DISTINCT FROM ins.generation
@@ -190,12 +223,14 @@ forgotten_host_key AS (
     RETURNING k.machine_id
 )
 SELECT a.ordinal::integer AS ordinal,
+       (b.machine_id IS NOT NULL)::boolean AS accepted,
+       COALESCE(b.datagram_counter, 0)::bigint AS datagram_counter,
        (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
        ins.generation AS installation_recorded,
        pd.generation AS pending_generation,
        pd.os_installation_request_raw AS pending_request
 FROM authed a
-JOIN beat b ON b.machine_id = a.machine_id
+LEFT JOIN beat b ON b.machine_id = a.machine_id
 LEFT JOIN hw ON hw.machine_id = a.machine_id
 LEFT JOIN ins ON ins.machine_id = a.machine_id
 LEFT JOIN pending pd ON pd.machine_id = a.machine_id
@@ -205,6 +240,7 @@ type HeartbeatRecordParams struct {
 	Ordinals         []int32
 	MachineIds       []uuid.UUID
 	PublicKeys       [][]byte
+	Counters         []int64
 	HwOrdinals       []int32
 	HwRaws           [][]byte
 	HwCpuThreads     []int32
@@ -220,6 +256,8 @@ type HeartbeatRecordParams struct {
 
 type HeartbeatRecordRow struct {
 	Ordinal              int32
+	Accepted             bool
+	DatagramCounter      int64
 	HardwareRecorded     bool
 	InstallationRecorded *int64
 	PendingGeneration    *int64
@@ -244,15 +282,30 @@ type HeartbeatRecordRow struct {
 // Installed or InstallFailed (process Reinstall, the agent's error as the
 // cause), and a pending request handed to the agent for the first time
 // writes history Installing, so that the course of every installation
-// survives later requests. It returns, per accepted ordinal
-// (a machine has one current key, so at most one pair per machine), what
-// was recorded and the machine's pending installation request: the current
+// survives later requests.
+// A pair's counter is 0 for a heartbeat that came over TLS, and the
+// datagram's counter for one that came by datagram (migration 00024): a
+// datagram counts only if its counter is above the machine's
+// datagram_counter, which it then becomes; a TLS heartbeat leaves the
+// counter alone. The comparison is the upsert's DO UPDATE condition, so it
+// reads the row as the last committed writer left it, under the row lock,
+// not this statement's snapshot: of two statements carrying the same
+// datagram at once (a replay sent to another callback server), the second
+// waits for the first and then finds the counter no longer below its own.
+// An authenticated pair whose datagram is refused so records nothing (no
+// heartbeat time, no report, no delivery): only the pairs beat accepted go
+// on to the CTEs after it.
+// It returns, per authenticated ordinal (a machine has one current key, so
+// at most one pair per machine), whether it was accepted (false: a replayed
+// datagram), the machine's datagram counter after the statement, what was
+// recorded and the machine's pending installation request: the current
 // request if no report of its generation exists (or arrives now).
 func (q *Queries) HeartbeatRecord(ctx context.Context, arg HeartbeatRecordParams) ([]HeartbeatRecordRow, error) {
 	rows, err := q.db.Query(ctx, heartbeatRecord,
 		arg.Ordinals,
 		arg.MachineIds,
 		arg.PublicKeys,
+		arg.Counters,
 		arg.HwOrdinals,
 		arg.HwRaws,
 		arg.HwCpuThreads,
@@ -274,6 +327,8 @@ func (q *Queries) HeartbeatRecord(ctx context.Context, arg HeartbeatRecordParams
 		var i HeartbeatRecordRow
 		if err := rows.Scan(
 			&i.Ordinal,
+			&i.Accepted,
+			&i.DatagramCounter,
 			&i.HardwareRecorded,
 			&i.InstallationRecorded,
 			&i.PendingGeneration,

@@ -25,6 +25,12 @@ type DecommissionedMachine struct {
 	AgentPublicKey        []byte
 }
 
+type HeartbeatDatagramSecret struct {
+	Singleton bool
+	Secret    []byte
+	CreatedAt time.Time
+}
+
 type HeartbeatRecorder struct {
 	SessionID uuid.UUID
 	OkSince   time.Time
@@ -41,6 +47,7 @@ type MachineAgentHeartbeat struct {
 	MachineID        uuid.UUID
 	AgentHeartbeatAt time.Time
 	Watched          bool
+	DatagramCounter  int64
 }
 
 type MachineAgentStarted struct {

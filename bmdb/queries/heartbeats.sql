@@ -17,26 +17,48 @@
 -- Installed or InstallFailed (process Reinstall, the agent's error as the
 -- cause), and a pending request handed to the agent for the first time
 -- writes history Installing, so that the course of every installation
--- survives later requests. It returns, per accepted ordinal
--- (a machine has one current key, so at most one pair per machine), what
--- was recorded and the machine's pending installation request: the current
+-- survives later requests.
+-- A pair's counter is 0 for a heartbeat that came over TLS, and the
+-- datagram's counter for one that came by datagram (migration 00024): a
+-- datagram counts only if its counter is above the machine's
+-- datagram_counter, which it then becomes; a TLS heartbeat leaves the
+-- counter alone. The comparison is the upsert's DO UPDATE condition, so it
+-- reads the row as the last committed writer left it, under the row lock,
+-- not this statement's snapshot: of two statements carrying the same
+-- datagram at once (a replay sent to another callback server), the second
+-- waits for the first and then finds the counter no longer below its own.
+-- An authenticated pair whose datagram is refused so records nothing (no
+-- heartbeat time, no report, no delivery): only the pairs beat accepted go
+-- on to the CTEs after it.
+-- It returns, per authenticated ordinal (a machine has one current key, so
+-- at most one pair per machine), whether it was accepted (false: a replayed
+-- datagram), the machine's datagram counter after the statement, what was
+-- recorded and the machine's pending installation request: the current
 -- request if no report of its generation exists (or arrives now).
 WITH req AS (
     -- Set-returning functions in a select list run in lockstep: row i pairs
     -- the i-th element of every array.
     SELECT unnest(@ordinals::integer[]) AS ordinal, unnest(@machine_ids::uuid[]) AS machine_id,
-           unnest(@public_keys::bytea[]) AS public_key
+           unnest(@public_keys::bytea[]) AS public_key, unnest(@counters::bigint[]) AS counter
 ),
 authed AS (
-    SELECT r.ordinal, s.machine_id
+    SELECT r.ordinal, s.machine_id, r.counter
     FROM req r
     JOIN machine_agent_started s ON s.machine_id = r.machine_id AND s.agent_public_key = r.public_key
 ),
 beat AS (
-    INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
-    SELECT a.machine_id, now() FROM authed a ORDER BY a.machine_id
-    ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at
-    RETURNING machine_id
+    INSERT INTO machine_agent_heartbeat AS h (machine_id, agent_heartbeat_at, datagram_counter)
+    SELECT a.machine_id, now(), a.counter FROM authed a ORDER BY a.machine_id
+    ON CONFLICT (machine_id) DO UPDATE
+    SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at,
+        datagram_counter = GREATEST(h.datagram_counter, EXCLUDED.datagram_counter)
+    WHERE EXCLUDED.datagram_counter = 0 OR EXCLUDED.datagram_counter > h.datagram_counter
+    RETURNING h.machine_id, h.datagram_counter
+),
+accepted AS (
+    SELECT a.ordinal, a.machine_id
+    FROM authed a
+    JOIN beat b ON b.machine_id = a.machine_id
 ),
 hw AS (
     INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
@@ -46,7 +68,7 @@ hw AS (
                unnest(@hw_cpu_threads::integer[]) AS cpu_threads, unnest(@hw_memory_bytes::bigint[]) AS memory_bytes,
                unnest(@hw_disk_counts::integer[]) AS disk_count, unnest(@hw_disk_bytes::bigint[]) AS disk_bytes
     ) h
-    JOIN authed a ON a.ordinal = h.ordinal
+    JOIN accepted a ON a.ordinal = h.ordinal
     ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE
     SET hardware_report_raw = EXCLUDED.hardware_report_raw,
@@ -62,7 +84,7 @@ prev AS (
     -- reads the same snapshot).
     SELECT r.machine_id, r.generation, r.success
     FROM machine_os_installation_report r
-    JOIN authed a ON a.machine_id = r.machine_id
+    JOIN accepted a ON a.machine_id = r.machine_id
 ),
 ins AS (
     INSERT INTO machine_os_installation_report (machine_id, generation, success, error_message, os_installation_report_raw, reported_at)
@@ -72,7 +94,7 @@ ins AS (
                unnest(@ins_successes::boolean[]) AS success, unnest(@ins_error_messages::text[]) AS error_message,
                unnest(@ins_raws::bytea[]) AS raw
     ) i
-    JOIN authed a ON a.ordinal = i.ordinal
+    JOIN accepted a ON a.ordinal = i.ordinal
     ORDER BY a.machine_id
     ON CONFLICT (machine_id) DO UPDATE
     SET generation = EXCLUDED.generation,
@@ -100,7 +122,7 @@ pending AS (
     -- without a pending request (nearly all of them) looks its machine's
     -- request up once, as before delivered_generation was tracked.
     SELECT q.machine_id, q.generation, q.os_installation_request_raw, q.delivered_generation
-    FROM authed a
+    FROM accepted a
     JOIN machine_os_installation_request q ON q.machine_id = a.machine_id
     LEFT JOIN ins ON ins.machine_id = a.machine_id
     WHERE q.generation IS DISTINCT FROM ins.generation
@@ -139,12 +161,14 @@ forgotten_host_key AS (
     RETURNING k.machine_id
 )
 SELECT a.ordinal::integer AS ordinal,
+       (b.machine_id IS NOT NULL)::boolean AS accepted,
+       COALESCE(b.datagram_counter, 0)::bigint AS datagram_counter,
        (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
        ins.generation AS installation_recorded,
        pd.generation AS pending_generation,
        pd.os_installation_request_raw AS pending_request
 FROM authed a
-JOIN beat b ON b.machine_id = a.machine_id
+LEFT JOIN beat b ON b.machine_id = a.machine_id
 LEFT JOIN hw ON hw.machine_id = a.machine_id
 LEFT JOIN ins ON ins.machine_id = a.machine_id
 LEFT JOIN pending pd ON pd.machine_id = a.machine_id;
@@ -193,3 +217,14 @@ UPDATE heartbeat_recorders
 SET checked_at = now(),
     ok_since = CASE WHEN @recovered::boolean THEN now() ELSE ok_since END
 WHERE session_id = @session_id;
+
+-- name: DatagramSecretCreate :exec
+-- DatagramSecretCreate stores the secret the MAC keys of heartbeat
+-- datagrams derive from, unless one exists (migration 00024): the first
+-- callback server to ask creates it, and it never changes.
+INSERT INTO heartbeat_datagram_secret (secret) VALUES (@secret)
+ON CONFLICT (singleton) DO NOTHING;
+
+-- name: DatagramSecretGet :one
+-- DatagramSecretGet reads the secret of heartbeat datagrams.
+SELECT secret FROM heartbeat_datagram_secret;

@@ -60,6 +60,8 @@ func bindStackFlags(fl *pflag.FlagSet, cfg *stackConfig) {
 	cfg.Web.bind(fl)
 
 	fl.StringVar(&cfg.Server.Listen, "server-listen", ":7443", "callback server: TLS address agents send heartbeats to")
+	fl.StringVar(&cfg.Server.DatagramListen, "server-datagram-listen", "", "callback server: UDP address agents send heartbeat datagrams to (default: --server-listen's host and port)")
+	fl.BoolVar(&cfg.Server.NoDatagrams, "server-no-datagrams", false, "callback server: no UDP socket and no datagram grants, every heartbeat over TLS (for networks that cannot pass UDP)")
 	fl.StringVar(&cfg.Server.CertFile, "server-cert", "", "callback server: PEM certificate (chain); empty: a development CA in --data-dir")
 	fl.StringVar(&cfg.Server.KeyFile, "server-key", "", "callback server: PEM private key of --server-cert")
 	fl.StringVar(&cfg.Server.CAFile, "server-ca", "", "callback server: PEM CA agents verify the server against (default: system roots)")
