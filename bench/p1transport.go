@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -162,6 +161,12 @@ func newPulseEcho(addr string, secret []byte, interval time.Duration) (*pulseEch
 	if err != nil {
 		return nil, fmt.Errorf("listening for datagrams on %s: %w", addr, err)
 	}
+	// The callback server's receive buffer (server.datagramReadBuffer), so
+	// that both drop datagrams under the same bursts.
+	if err := conn.SetReadBuffer(4 << 20); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("sizing the datagram receive buffer: %w", err)
+	}
 	return &pulseEcho{conn: conn, secret: secret, interval: interval}, nil
 }
 
@@ -191,10 +196,14 @@ func (p *pulseEcho) grant(ctx context.Context, req *agentv1.HeartbeatRequest) (*
 	return &agentv1.DatagramGrant{Key: k[:], Port: uint32(p.port())}, nil
 }
 
-// serve answers datagrams, one reader per CPU, until close.
+// pulseEchoReaders is the callback server's number of datagram readers
+// (server.datagramReaders).
+const pulseEchoReaders = 2
+
+// serve answers datagrams until close.
 func (p *pulseEcho) serve() {
 	var wg sync.WaitGroup
-	for range runtime.GOMAXPROCS(0) {
+	for range pulseEchoReaders {
 		wg.Go(p.read)
 	}
 	wg.Wait()
