@@ -214,10 +214,12 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 		<-srvDone
 	}()
 
+	connecting := time.Now()
 	lg, err := startLoadgen(ctx, dir, addr.String(), srv.CA(), ids, transport)
 	if err != nil {
 		return heartbeatResult{}, err
 	}
+	fmt.Fprintf(os.Stderr, "bench: P1: %d agents (%s) started in %s\n", len(ids), transport, time.Since(connecting).Round(time.Second/10))
 	defer lg.stop()
 	if err := lg.start(); err != nil {
 		return heartbeatResult{}, err
@@ -665,7 +667,8 @@ func serverCounts(reg *prometheus.Registry) (accepted, batches, batched float64)
 }
 
 // latencyQuantile estimates a quantile of the server's request latency
-// from its histogram buckets (the upper bound of the bucket it falls in).
+// from its histogram buckets (the upper bound of the bucket it falls in;
+// +Inf beyond the last bound; 0 without samples).
 func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
@@ -673,12 +676,16 @@ func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
 			continue
 		}
 		h := mf.GetMetric()[0].GetHistogram()
+		if h.GetSampleCount() == 0 {
+			return 0
+		}
 		want := q * float64(h.GetSampleCount())
 		for _, b := range h.GetBucket() {
 			if float64(b.GetCumulativeCount()) >= want {
 				return b.GetUpperBound()
 			}
 		}
+		return math.Inf(1)
 	}
 	return 0
 }

@@ -4,12 +4,14 @@ import (
 	"context"
 	"crypto/ed25519"
 	"errors"
+	"math"
 	"net"
 	"net/netip"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shepherd/shepherd/api/agent/pulse"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
@@ -231,5 +233,29 @@ func TestLatenciesQuantile(t *testing.T) {
 	l.reset()
 	if got := l.quantile(0.99); got != 0 {
 		t.Fatalf("quantile after reset = %s, want 0", got)
+	}
+}
+
+// A quantile beyond the server histogram's last bound is +Inf, not 0 (which
+// read as the best latency of all).
+func TestLatencyQuantileBeyondLastBucket(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "shepherd_server_heartbeat_duration_seconds", Help: "test", Buckets: []float64{0.1, 1},
+	})
+	reg.MustRegister(h)
+	if got := latencyQuantile(reg, 0.99); got != 0 {
+		t.Fatalf("p99 without samples = %g, want 0", got)
+	}
+	h.Observe(0.05)
+	if got := latencyQuantile(reg, 0.99); got != 0.1 {
+		t.Fatalf("p99 = %g, want 0.1", got)
+	}
+	for range 10 {
+		h.Observe(5)
+	}
+	if got := latencyQuantile(reg, 0.99); !math.IsInf(got, 1) {
+		t.Fatalf("p99 beyond the last bucket = %g, want +Inf", got)
 	}
 }
