@@ -218,6 +218,7 @@ type p5Agent struct {
 	local     netip.Addr
 	reported  bool        // the hardware report was acknowledged
 	connected bool        // a first heartbeat was accepted
+	counter   uint64      // the highest datagram counter sent
 	pulse     *pulseAgent // nil: heartbeat over TLS
 }
 
@@ -244,12 +245,26 @@ func (a *p5Agent) tlsBeat(ctx context.Context) error {
 		return err
 	}
 	a.reported = true
-	if a.pulse != nil {
-		a.pulse.close()
-		a.pulse = nil
+	p, err := newPulseAgent(a.machine, agentKey(a.index).Public().(ed25519.PublicKey), resp.Msg.GetDatagramGrant(), a.host, a.local)
+	if err != nil {
+		return err
 	}
-	a.pulse, err = newPulseAgent(a.machine, agentKey(a.index).Public().(ed25519.PublicKey), resp.Msg.GetDatagramGrant(), a.host, a.local)
-	return err
+	a.pulse = p
+	// The floor can be below a counter this agent already sent: a
+	// datagram still queued at the server when the TLS heartbeat was
+	// recorded raises the stored counter after the grant. A counter is
+	// never used twice under one key, so the agent goes on from the
+	// higher of the two.
+	p.req.Counter = max(p.req.Counter, a.counter)
+	return nil
+}
+
+// dropGrant closes the agent's datagram socket: its next heartbeat goes
+// over TLS.
+func (a *p5Agent) dropGrant() {
+	a.counter = max(a.counter, a.pulse.req.Counter)
+	a.pulse.close()
+	a.pulse = nil
 }
 
 // p5LoadgenMain is P5's load generator: one p5Agent per line "index
@@ -328,8 +343,23 @@ func p5LoadgenMain(args []string) int {
 		_, _ = io.Copy(io.Discard, os.Stdin) // until stdin closes
 		cancel()
 	}()
-	var failures, connected, noReply, callTLS, retryLater atomic.Int64
+	var failures, connected, noReply, callTLS, retryLater, tlsBeats, datagrams atomic.Int64
 	var firstErr atomic.Value
+	// Progress on stderr every interval, to see a storm (agents falling
+	// back to TLS faster than the server takes them) as it builds.
+	go func() {
+		tick := time.NewTicker(*interval)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				fmt.Fprintf(os.Stderr, "bench: P5 load generator: connected=%d tls_heartbeats=%d datagrams=%d no_reply=%d call_tls=%d retry_later=%d failures=%d\n",
+					connected.Load(), tlsBeats.Load(), datagrams.Load(), noReply.Load(), callTLS.Load(), retryLater.Load(), failures.Load())
+			}
+		}
+	}()
 	failed := func(err error) {
 		failures.Add(1)
 		firstErr.CompareAndSwap(nil, err.Error())
@@ -350,6 +380,7 @@ func p5LoadgenMain(args []string) int {
 				}
 				next = next.Add(*interval)
 				if a.pulse == nil {
+					tlsBeats.Add(1)
 					err := a.tlsBeat(ctx)
 					switch {
 					case err != nil && ctx.Err() == nil:
@@ -377,13 +408,13 @@ func p5LoadgenMain(args []string) int {
 					}
 					continue
 				}
+				datagrams.Add(1)
 				rep, err := a.pulse.beat(ctx)
 				switch {
 				case ctx.Err() != nil:
 				case errors.Is(err, errNoReply):
 					noReply.Add(1)
-					a.pulse.close()
-					a.pulse = nil
+					a.dropGrant()
 					next = time.Now()
 				case err != nil:
 					failed(err)
@@ -392,8 +423,7 @@ func p5LoadgenMain(args []string) int {
 					next = time.Now().Add(rep.NextIn)
 				case rep.Status == pulse.StatusCallTLS:
 					callTLS.Add(1)
-					a.pulse.close()
-					a.pulse = nil
+					a.dropGrant()
 					next = time.Now()
 				}
 			}

@@ -81,13 +81,14 @@ func newPulseAgent(machine uuid.UUID, agentKey ed25519.PublicKey, grant *agentv1
 func (a *pulseAgent) close() error { return a.conn.Close() }
 
 // beat sends one heartbeat and waits for its reply: up to pulseTries
-// datagrams, each with a new counter, each waited for a.timeout. Replies
-// with another counter (late ones) or a bad MAC are ignored, as the agent
-// ignores them. It returns errNoReply if none came, ctx's error if ctx
+// datagrams, each with a new counter, each waited for a.timeout. A reply
+// to any of them counts (the server recorded that counter), as for the
+// agent; replies to earlier heartbeats and bad MACs are ignored. It returns errNoReply if none came, ctx's error if ctx
 // ended.
 func (a *pulseAgent) beat(ctx context.Context) (pulse.Reply, error) {
 	stop := context.AfterFunc(ctx, func() { _ = a.conn.SetReadDeadline(time.Now()) })
 	defer stop()
+	first := a.req.Counter + 1
 	for try := range pulseTries {
 		if try > 0 {
 			a.resends.Add(1)
@@ -121,7 +122,7 @@ func (a *pulseAgent) beat(ctx context.Context) (pulse.Reply, error) {
 				continue // e.g. ECONNREFUSED: the port was closed for a moment
 			}
 			rep, err := pulse.OpenReply(a.in[:n], &a.key)
-			if err != nil || rep.Counter != a.req.Counter {
+			if err != nil || rep.Counter < first || rep.Counter > a.req.Counter {
 				continue
 			}
 			return rep, nil

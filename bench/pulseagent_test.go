@@ -96,9 +96,9 @@ func TestPulseAgentWrongKeyGetsNoReply(t *testing.T) {
 	}
 }
 
-// The agent takes only the reply to the datagram it waits for, under its
+// The agent takes only a reply to the heartbeat it waits for, under its
 // key: a lost datagram is sent again with a new counter, and a forged
-// reply, a late one (an older counter) and one of the wrong size are
+// reply, one to an earlier heartbeat and one of the wrong size are
 // ignored.
 func TestPulseAgentIgnoresStrayReplies(t *testing.T) {
 	t.Parallel()
@@ -162,7 +162,7 @@ func TestPulseAgentIgnoresStrayReplies(t *testing.T) {
 		}
 	}
 	send((&pulse.Reply{Counter: 12, Status: pulse.StatusCallTLS}).Seal(nil, &forged))         // forged
-	send((&pulse.Reply{Counter: 11, Status: pulse.StatusCallTLS}).Seal(nil, &key))            // late
+	send((&pulse.Reply{Counter: 10, Status: pulse.StatusCallTLS}).Seal(nil, &key))            // an earlier heartbeat's
 	send(append((&pulse.Reply{Counter: 12, Status: pulse.StatusCallTLS}).Seal(nil, &key), 0)) // too long
 	send((&pulse.Reply{Counter: 12, Status: pulse.StatusRecorded, NextIn: time.Second}).Seal(nil, &key))
 	r := <-res
@@ -257,5 +257,49 @@ func TestLatencyQuantileBeyondLastBucket(t *testing.T) {
 	}
 	if got := latencyQuantile(reg, 0.99); !math.IsInf(got, 1) {
 		t.Fatalf("p99 beyond the last bucket = %g, want +Inf", got)
+	}
+}
+
+// A reply to an earlier try of the same heartbeat counts: the server
+// recorded that counter, only late.
+func TestPulseAgentTakesReplyToEarlierTry(t *testing.T) {
+	t.Parallel()
+	conn, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	var key pulse.Key
+	a := testAgent(t, uuid.New(), key, conn.LocalAddr().(*net.UDPAddr).Port, 0)
+	a.timeout = 100 * time.Millisecond
+	res := make(chan error, 1)
+	var rep pulse.Reply
+	go func() {
+		var err error
+		rep, err = a.beat(t.Context())
+		res <- err
+	}()
+	buf := make([]byte, 200)
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for want := uint64(1); want <= 2; want++ {
+		n, from, err := conn.ReadFromUDP(buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req, err := pulse.ParseRequest(buf[:n])
+		if err != nil || req.Counter != want {
+			t.Fatalf("datagram %d: counter %d (%v)", want, req.Counter, err)
+		}
+		if want == 2 { // answer the first try only now
+			if _, err := conn.WriteToUDP((&pulse.Reply{Counter: 1, Status: pulse.StatusRecorded}).Seal(nil, &key), from); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := <-res; err != nil {
+		t.Fatalf("beat: %v", err)
+	}
+	if rep.Counter != 1 {
+		t.Fatalf("reply counter %d, want 1", rep.Counter)
 	}
 }
