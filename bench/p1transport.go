@@ -47,32 +47,70 @@ func transportCeiling(ctx context.Context, ids []uuid.UUID, transport string) (p
 		return 0, 0, err
 	}
 	defer os.RemoveAll(dir)
-	pki, err := devpki.LoadOrCreate(dir, []string{"127.0.0.1"})
+	srv, err := startTransportOnly(dir, transport)
 	if err != nil {
 		return 0, 0, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	defer srv.close()
+	lg, err := startLoadgen(ctx, dir, srv.addr, srv.ca, ids, transport)
 	if err != nil {
 		return 0, 0, err
+	}
+	defer lg.stop()
+	if err := lg.start(); err != nil {
+		return 0, 0, err
+	}
+	// Shorter than P1's windows: a server that does nothing reaches its
+	// steady rate at once, and make bench has 10 minutes in all.
+	sleepCtx(ctx, time.Second)
+	n0, cpu0, start := srv.answered(), processCPU(), time.Now()
+	sleepCtx(ctx, 5*time.Second)
+	n1, cpu1, elapsed := srv.answered(), processCPU(), time.Since(start)
+	if _, err := lg.finish(); err != nil {
+		return 0, 0, err
+	}
+	if n1 == n0 {
+		return 0, 0, errors.New("the transport-only server answered no heartbeat in the measuring window")
+	}
+	n := float64(n1 - n0)
+	return n / elapsed.Seconds(), float64((cpu1 - cpu0).Microseconds()) / n, nil
+}
+
+// transportOnly is the running transport-only server of transportCeiling.
+type transportOnly struct {
+	addr  string // of the TLS server; the UDP port is in the grants
+	ca    []byte // DER certificate of the CA that signed the TLS server's
+	tls   atomic.Int64
+	echo  *pulseEcho
+	close func()
+}
+
+// answered is how many heartbeats the server answered, over TLS and by
+// datagram.
+func (t *transportOnly) answered() int64 { return t.tls.Load() + t.echo.answered.Load() }
+
+// startTransportOnly starts the transport-only server, its PKI in dir.
+// With transport datagram, its TLS heartbeats answer with a datagram grant
+// (floor 0) for the UDP server.
+func startTransportOnly(dir, transport string) (*transportOnly, error) {
+	pki, err := devpki.LoadOrCreate(dir, []string{"127.0.0.1"})
+	if err != nil {
+		return nil, err
 	}
 	secret := make([]byte, pulse.SecretSize)
 	if _, err := rand.Read(secret); err != nil {
-		return 0, 0, err
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
 	}
 	echo, err := newPulseEcho("127.0.0.1:0", secret, time.Second)
 	if err != nil {
-		return 0, 0, err
+		ln.Close()
+		return nil, err
 	}
-	echoDone := make(chan struct{})
-	go func() {
-		defer close(echoDone)
-		echo.serve()
-	}()
-	defer func() {
-		echo.close()
-		<-echoDone
-	}()
-	var answered atomic.Int64
+	t := &transportOnly{addr: ln.Addr().String(), ca: pki.CA, echo: echo}
 	gs := grpc.NewServer(
 		grpc.Creds(credentials.NewTLS(&tls.Config{
 			Certificates: []tls.Certificate{pki.Certificate},
@@ -91,7 +129,7 @@ func transportCeiling(ctx context.Context, ids []uuid.UUID, transport string) (p
 				if err := dec(&req); err != nil {
 					return nil, err
 				}
-				answered.Add(1)
+				t.tls.Add(1)
 				if transport != transportDatagram {
 					return &agentv1.HeartbeatResponse{}, nil
 				}
@@ -104,36 +142,15 @@ func transportCeiling(ctx context.Context, ids []uuid.UUID, transport string) (p
 		}},
 		Metadata: "agent/v1/agent.proto",
 	}, struct{}{})
-	served := make(chan error, 1)
-	go func() { served <- gs.Serve(ln) }()
-	defer func() {
+	var wg sync.WaitGroup
+	wg.Go(echo.serve)
+	wg.Go(func() { _ = gs.Serve(ln) })
+	t.close = func() {
 		gs.Stop()
-		<-served
-	}()
-
-	lg, err := startLoadgen(ctx, dir, ln.Addr().String(), pki.CA, ids, transport)
-	if err != nil {
-		return 0, 0, err
+		echo.close()
+		wg.Wait()
 	}
-	defer lg.stop()
-	if err := lg.start(); err != nil {
-		return 0, 0, err
-	}
-	count := func() int64 { return answered.Load() + echo.answered.Load() }
-	// Shorter than P1's windows: a server that does nothing reaches its
-	// steady rate at once, and make bench has 10 minutes in all.
-	sleepCtx(ctx, time.Second)
-	n0, cpu0, start := count(), processCPU(), time.Now()
-	sleepCtx(ctx, 5*time.Second)
-	n1, cpu1, elapsed := count(), processCPU(), time.Since(start)
-	if _, err := lg.finish(); err != nil {
-		return 0, 0, err
-	}
-	if n1 == n0 {
-		return 0, 0, errors.New("the transport-only server answered no heartbeat in the measuring window")
-	}
-	n := float64(n1 - n0)
-	return n / elapsed.Seconds(), float64((cpu1 - cpu0).Microseconds()) / n, nil
+	return t, nil
 }
 
 // pulseEcho is the datagram half of the transport-only server: for each
