@@ -281,7 +281,12 @@ func benchMemory(ctx context.Context, e *env) error {
 		"stack_inuse_kb", (mem.stackInuse - idleMem.stackInuse) / float64(p5Agents) / 1024,
 		"goroutines", (goroutines - idleGoroutines) / float64(p5Agents)}, common...)...)
 	if p5Agents < p5Machines {
-		extrapolated := float64(idle.max) + perAgent*p5Machines
+		// The agents not run add what one run agent adds. When that is
+		// below zero (the server holds nothing per agent between its
+		// datagrams, and the idle process's RSS still carried its
+		// components' first passes over the fleet), they add nothing: the
+		// RSS measured with p5Agents is the estimate.
+		extrapolated := float64(loaded.max) + max(perAgent, 0)*float64(p5Machines-p5Agents)
 		report("P5", "rss_mb_extrapolated_100000_agents", extrapolated/mb, append([]any{
 			"limit", float64(limit / mb), "limit_ratio", extrapolated / limit,
 			"from_agents", p5Agents, "baseline_mb", float64(idle.max) / mb, "memory_per_agent_kb", perAgent / 1024}, common...)...)
