@@ -163,6 +163,9 @@ type heartbeatPlan struct {
 // heartbeats of one (machine, key) pair are all TLS or a single datagram,
 // and a pair's datagram is recorded before its TLS heartbeats.
 func planHeartbeats(hbs []Heartbeat) heartbeatPlan {
+	if !slices.ContainsFunc(hbs, func(h Heartbeat) bool { return h.Counter != 0 }) {
+		return heartbeatPlan{simple: true} // TLS only: the usual batch until agents send datagrams
+	}
 	type pair struct {
 		machine uuid.UUID
 		key     string
@@ -172,8 +175,8 @@ func planHeartbeats(hbs []Heartbeat) heartbeatPlan {
 		tls      []int // indexes of its TLS heartbeats
 		others   []int // indexes of its other datagrams
 	}
-	var order []pair
-	groups := make(map[pair]*group, len(hbs))
+	var groups []group // in the order of their first heartbeat
+	index := make(map[pair]int, len(hbs))
 	simple := true
 	for i, h := range hbs {
 		if h.Counter < 0 {
@@ -181,12 +184,14 @@ func planHeartbeats(hbs []Heartbeat) heartbeatPlan {
 			continue
 		}
 		k := pair{h.MachineID, string(h.AgentKey)}
-		g, ok := groups[k]
+		gi, ok := index[k]
 		if !ok {
-			g = &group{datagram: -1}
-			groups[k] = g
-			order = append(order, k)
-		} else if h.Counter > 0 || g.datagram >= 0 {
+			gi = len(groups)
+			index[k] = gi
+			groups = append(groups, group{datagram: -1})
+		}
+		g := &groups[gi]
+		if ok && (h.Counter > 0 || g.datagram >= 0) {
 			simple = false // a datagram with company
 		}
 		switch {
@@ -205,8 +210,7 @@ func planHeartbeats(hbs []Heartbeat) heartbeatPlan {
 		return heartbeatPlan{simple: true}
 	}
 	p := heartbeatPlan{standIn: map[int]int{}}
-	for _, k := range order {
-		g := groups[k]
+	for _, g := range groups {
 		if g.datagram < 0 {
 			p.first = append(p.first, g.tls...)
 			continue

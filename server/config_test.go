@@ -44,6 +44,8 @@ func TestConfigValidate(t *testing.T) {
 		{"negative retry pushback", func(c *server.Config) { c.RetryPushback = -time.Second }, "RetryPushback must be >= 0 (0 = default), got -1s"},
 		{"negative connections", func(c *server.Config) { c.MaxConnections = -1 }, "MaxConnections must be >= 0 (0 = default), got -1"},
 		{"negative connections per IP", func(c *server.Config) { c.MaxConnectionsPerIP = -1 }, "MaxConnectionsPerIP must be >= 0 (0 = default), got -1"},
+		{"datagram address without port", func(c *server.Config) { c.DatagramListen = "127.0.0.1" }, `DatagramListen "127.0.0.1" is not a host:port`},
+		{"datagram address with datagrams off", func(c *server.Config) { c.DatagramListen = ":7443"; c.NoDatagrams = true }, `DatagramListen ":7443" and NoDatagrams contradict each other`},
 		{"negative streams per connection", func(c *server.Config) { c.MaxStreamsPerConnection = -1 }, "MaxStreamsPerConnection must be >= 0 (0 = default), got -1"},
 	} {
 		cfg := ok

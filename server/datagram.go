@@ -34,7 +34,14 @@ const datagramReaders = 2
 const datagramReadBuffer = 4 << 20
 
 // datagramSecret is the BMDB's secret the datagram keys are derived from.
+// Whoever holds it can forge any agent's heartbeats: String and LogValue
+// keep it out of logs and errors.
 type datagramSecret struct{ b []byte }
+
+func (*datagramSecret) String() string { return "REDACTED" }
+
+// LogValue keeps the secret out of log lines.
+func (*datagramSecret) LogValue() slog.Value { return slog.StringValue("REDACTED") }
 
 // loadSecret reads the datagram secret from the BMDB.
 func (s *Server) loadSecret(ctx context.Context) error {

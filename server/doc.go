@@ -2,7 +2,8 @@
 // heartbeat RPC over TLS, authenticates every agent by the key of its client
 // certificate against the machine's AgentStarted tag, records heartbeats in
 // batches, stores the reports agents send, and hands out pending
-// installation requests.
+// installation requests. Agents it has granted a key send their other
+// heartbeats as UDP datagrams ("Heartbeat datagrams" below).
 //
 // The RPC is served by grpc-go, whose HTTP/2 transport costs about a third
 // less CPU per call than net/http's (measured on the heartbeat path); agents
@@ -109,20 +110,95 @@
 // 34 µs per heartbeat in that run, against 71 and 87 µs for the real
 // server at 1,000 and 10,000 agents.
 //
-// # The choice, not yet built
+// # Heartbeat datagrams
 //
 // The design that meets both is a heartbeat that needs no connection: a
-// UDP datagram carrying the machine id, a counter and the agent's status,
-// authenticated with a MAC under a key the server hands the agent over TLS
-// (in the heartbeat reply) and binds to the machine's current agent key.
-// The server holds no per-agent state but the key (tens of bytes, cached,
-// and checked against the BMDB in the batched heartbeat statement, so a
-// recovery that replaces the agent key invalidates the old MAC key at
-// once); a counter stored with the machine rejects replays; an HMAC costs
-// about a microsecond. TLS stays for reports, installation requests (the
-// datagram reply tells the agent to call over TLS) and agents that do not
-// speak datagrams, which keeps old agents working. Until it is built, the
-// server keeps the connection-per-agent design above, which reaches 33 to
-// 47 % of the transport ceiling's rate (P1's limit_ratio 0.41 to 0.59,
-// against 0.8 of it) and holds about 39 KiB per connected agent (P5).
+// UDP datagram (package pulse, 84 bytes) carrying the machine id, the
+// agent's public key, a counter and the newest installation generation the
+// agent knows, authenticated with a MAC under a key the server hands the
+// agent over TLS and binds to the machine's current agent key. TLS stays
+// for reports, installation requests and agents that do not speak
+// datagrams, which keeps old agents working.
+//
+// The grant. A TLS heartbeat the BMDB accepts is answered with a
+// DatagramGrant: the key K = pulse.DeriveKey(secret, machine id, agent key
+// of the client certificate), the server's UDP port (Config.DatagramListen,
+// by default the TLS address over UDP) and the machine's stored datagram
+// counter as the floor. The secret is 32 random bytes in the BMDB
+// (bmdb.DB.DatagramSecret), the same for every callback server, so a
+// datagram may reach any of them; a server reads it as it starts (in the
+// background if the database is down then: until it has it, it grants
+// nothing and ignores datagrams, and agents keep to TLS). With
+// Config.NoDatagrams there is no UDP socket and no grant.
+//
+// The path of a datagram. Two reader goroutines read the socket into
+// buffers of their own; the server parses the request, derives K from the
+// request's own machine id and agent key, checks the MAC, and submits the
+// heartbeat, with its counter, to the batcher that writes TLS heartbeats
+// (the queue of verified keys if the server has seen that key accepted,
+// else the bounded one, which refuses when full). Nothing waits per
+// datagram: the heartbeat travels in a pooled datagramBeat, and the flusher
+// that wrote its batch seals and sends the reply from a callback, so the
+// server holds no goroutine, connection or buffer per agent between
+// heartbeats, and none per heartbeat in flight but the pooled struct. The
+// reply echoes the counter:
+//
+//   - recorded, with the heartbeat interval: accepted, and no installation
+//     newer than the one the agent knows is pending;
+//   - call-tls: accepted, but a newer installation is pending; or refused
+//     though authentic (an agent key that is no longer the machine's, a
+//     replayed counter, a decommissioned machine, content the database
+//     refused). The agent's TLS heartbeat then gets the full answer: the
+//     installation request, a new grant, Unauthenticated or
+//     PermissionDenied;
+//   - retry-later, with the retry pushback: the heartbeat could not be
+//     recorded (the database failed, the queue of unverified keys is full,
+//     the server is stopping). TLS would cost a handshake for the same
+//     failure.
+//
+// As the server stops, its readers stop first (a read deadline, not a
+// close, so that the replies of the heartbeats in flight can still be
+// sent), then the batcher finishes or fails what it holds, answering each
+// datagram, and then the socket is closed.
+//
+// Why it is safe (SPEC §8 R6, R9). Only callback servers hold the secret,
+// so only they can compute a K; an agent learns only its own, over an
+// authenticated TLS connection, and K binds both the machine id and the
+// agent key:
+//
+//   - a datagram without a valid key: the MAC does not match the K the
+//     server derives, and the datagram is dropped;
+//   - another machine's id: an agent holds K(its machine, its key). Naming
+//     another machine (with its own key or the other's) changes the K the
+//     server derives, so the MAC fails. Even a datagram MACed correctly
+//     (the secret leaked) is refused by the BMDB, which records a
+//     heartbeat only if the agent key is the machine's current one, in
+//     the statement that writes it;
+//   - a key from before a recovery: the old grant's MAC still verifies,
+//     since K depends only on the secret and the pair, but the BMDB
+//     refuses the key, which a recovery replaced, so nothing is recorded
+//     and the agent is told to call over TLS, where it is Unauthenticated;
+//   - replays: the BMDB records a datagram only if its counter is above
+//     the one stored for the machine, which it then becomes, under the row
+//     lock, so a copy of a datagram, or an older one, is refused
+//     (reason replayed) even when several servers receive it at once. A
+//     recovery deletes the stored counter with the agent key, and the new
+//     agent's new key gives new Ks, so old datagrams stay worthless.
+//
+// No amplification: a reply (33 bytes) is shorter than its request (84),
+// and only an authentic request is answered, so a forged source address
+// gets less than the forger sent, and only by replaying captured
+// datagrams. No oracle: a datagram that is not an authentic request
+// (wrong size, malformed, bad MAC) gets no answer at all, the same for
+// every way of being wrong, so a prober learns nothing about which machine
+// ids or keys exist; it is counted (shepherd_server_heartbeats_rejected_total,
+// reasons invalid_argument, too_large, bad_mac) and logged at the bounded
+// rate of the server's other rejections, never with a key or the secret.
+// The answers to authentic datagrams tell their sender, who holds K,
+// nothing it could not learn over TLS.
+//
+// Cost. Per datagram, the server makes three HMAC-SHA256 computations
+// (derive, verify, seal), two system calls (read, send) and its share of
+// a batch; BenchmarkDatagramPath has the part without the database. P1
+// and P5 of `make bench` measure it against the transport ceiling.
 package server

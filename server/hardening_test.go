@@ -18,6 +18,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/http2"
 	"golang.org/x/sync/errgroup"
 
@@ -333,8 +334,9 @@ func TestBlackholedDatabase(t *testing.T) {
 func startBehindProxy(t *testing.T) (e *env, proxy *tcpproxy.Proxy, stop func() error) {
 	t.Helper()
 	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
-	srv, addr, stop := servertest.Run(t, db.DB, server.Config{FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond})
-	return &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr}, proxy, stop
+	reg := prometheus.NewRegistry()
+	srv, addr, stop := servertest.Run(t, db.DB, server.Config{FlushTimeout: time.Second, RetryPushback: 300 * time.Millisecond, Registerer: reg})
+	return &env{t: t, db: db, s: bmdbtest.Session(t, db, "test", time.Minute), srv: srv, endpoint: addr, reg: reg}, proxy, stop
 }
 
 // TestDatabaseOutageIsNotSilence: while the server cannot record heartbeats

@@ -342,16 +342,18 @@ func (s *Server) Run(ctx context.Context) error {
 	// or when serving fails.
 	runCtx, stopRun := context.WithCancel(ctx)
 	defer stopRun()
-	// So is the datagram secret, so that the first TLS heartbeats already
-	// carry grants; without it (the database is down) it is read in the
-	// background, and until then agents keep to TLS.
+	// The datagram secret is read first too, so that the first TLS
+	// heartbeats already carry grants; without it (the database is down)
+	// it is read in the background, and until then agents keep to TLS.
 	secretDone := make(chan struct{})
 	if s.datagrams != nil {
 		lctx, cancel := context.WithTimeout(ctx, s.cfg.FlushTimeout)
 		err := s.loadSecret(lctx)
 		cancel()
 		if err != nil {
-			s.log.WarnContext(ctx, "reading the heartbeat datagram secret; no datagrams until it is read", "err", err)
+			if ctx.Err() == nil {
+				s.log.WarnContext(ctx, "reading the heartbeat datagram secret; no datagrams until it is read", "err", err)
+			}
 			go func() {
 				defer close(secretDone)
 				s.retrySecret(runCtx)
@@ -397,7 +399,11 @@ func (s *Server) Run(ctx context.Context) error {
 		defer close(served)
 		serveErr = gs.Serve(s.listener)
 	}()
-	s.log.InfoContext(ctx, "callback server listening", "addr", addr.String())
+	if s.udp != nil {
+		s.log.InfoContext(ctx, "callback server listening", "addr", addr.String(), "datagram_addr", s.udp.LocalAddr().String())
+	} else {
+		s.log.InfoContext(ctx, "callback server listening", "addr", addr.String())
+	}
 
 	select {
 	case <-ctx.Done():

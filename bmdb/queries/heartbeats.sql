@@ -55,10 +55,17 @@ beat AS (
     WHERE EXCLUDED.datagram_counter = 0 OR EXCLUDED.datagram_counter > h.datagram_counter
     RETURNING h.machine_id, h.datagram_counter
 ),
-accepted AS (
-    SELECT a.ordinal, a.machine_id
+outcome AS (
+    -- Every authenticated pair, and whether beat accepted it. The one join
+    -- of authed and beat: with a generic plan, which estimates one row
+    -- for every array, a join of two CTEs is a nested loop, its cost the
+    -- square of the batch.
+    SELECT a.ordinal, a.machine_id, b.machine_id IS NOT NULL AS accepted, b.datagram_counter
     FROM authed a
-    JOIN beat b ON b.machine_id = a.machine_id
+    LEFT JOIN beat b ON b.machine_id = a.machine_id
+),
+accepted AS (
+    SELECT o.ordinal, o.machine_id FROM outcome o WHERE o.accepted
 ),
 hw AS (
     INSERT INTO machine_hardware_report (machine_id, hardware_report_raw, reported_at, cpu_threads, memory_bytes, disk_count, disk_bytes)
@@ -161,14 +168,13 @@ forgotten_host_key AS (
     RETURNING k.machine_id
 )
 SELECT a.ordinal::integer AS ordinal,
-       (b.machine_id IS NOT NULL)::boolean AS accepted,
-       COALESCE(b.datagram_counter, 0)::bigint AS datagram_counter,
+       a.accepted::boolean AS accepted,
+       COALESCE(a.datagram_counter, 0)::bigint AS datagram_counter,
        (hw.machine_id IS NOT NULL)::boolean AS hardware_recorded,
        ins.generation AS installation_recorded,
        pd.generation AS pending_generation,
        pd.os_installation_request_raw AS pending_request
-FROM authed a
-LEFT JOIN beat b ON b.machine_id = a.machine_id
+FROM outcome a
 LEFT JOIN hw ON hw.machine_id = a.machine_id
 LEFT JOIN ins ON ins.machine_id = a.machine_id
 LEFT JOIN pending pd ON pd.machine_id = a.machine_id;
