@@ -3,6 +3,7 @@ package bmdb_test
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"math"
 	"sync"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/shepherd/shepherd/bmdb"
 	"github.com/shepherd/shepherd/bmdb/bmdbtest"
+	"github.com/shepherd/shepherd/internal/tcpproxy"
 )
 
 // record sends one batch and fails the test if the call fails.
@@ -360,5 +362,69 @@ func TestDatagramSecret(t *testing.T) {
 	}
 	if bytes.Equal(theirs, secrets[0]) {
 		t.Error("two databases share one secret: it is not random")
+	}
+}
+
+// A batch large enough to be planned for its own arrays (customPlanBatch)
+// settles TLS heartbeats, datagrams, replays and wrong keys as a small one
+// does.
+func TestRecordHeartbeatsLargeBatch(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	const n = 500
+	bmdbtest.AddFleet(t, db, bmdbtest.Fleet{Provider: "p", Healthy: n})
+	var ids []uuid.UUID
+	var keys []ed25519.PublicKey
+	if err := db.AgentKeys(t.Context(), func(m uuid.UUID, k ed25519.PublicKey) { ids = append(ids, m); keys = append(keys, k) }); err != nil {
+		t.Fatal(err)
+	}
+	first := make([]bmdb.Heartbeat, n)
+	for i := range ids {
+		first[i] = bmdb.Heartbeat{MachineID: ids[i], AgentKey: keys[i], Counter: int64(i % 3)} // TLS, 1, 2
+	}
+	record(t, db, first...)
+	var batch []bmdb.Heartbeat
+	var want []bmdb.HeartbeatResult
+	for i := range ids {
+		switch i % 4 {
+		case 0: // TLS
+			batch = append(batch, bmdb.Heartbeat{MachineID: ids[i], AgentKey: keys[i]})
+			want = append(want, bmdb.HeartbeatResult{Accepted: true, Counter: int64(i % 3)})
+		case 1: // a genuine datagram
+			batch = append(batch, bmdb.Heartbeat{MachineID: ids[i], AgentKey: keys[i], Counter: 10})
+			want = append(want, bmdb.HeartbeatResult{Accepted: true, Counter: 10})
+		case 2: // a replay of the datagram just accepted, or of none
+			batch = append(batch, bmdb.Heartbeat{MachineID: ids[i], AgentKey: keys[i], Counter: max(int64(i%3), 1)})
+			if i%3 == 0 {
+				want = append(want, bmdb.HeartbeatResult{Accepted: true, Counter: 1})
+			} else {
+				want = append(want, bmdb.HeartbeatResult{Replayed: true})
+			}
+		case 3: // a wrong key
+			batch = append(batch, bmdb.Heartbeat{MachineID: ids[i], AgentKey: newKey(t), Counter: 10})
+			want = append(want, bmdb.HeartbeatResult{})
+		}
+	}
+	if diff := cmp.Diff(want, record(t, db, batch...)); diff != "" {
+		t.Errorf("results (-want +got):\n%s", diff)
+	}
+}
+
+// While the database cannot be reached, DatagramSecret keeps trying until
+// its context ends, and then says so; once it is back, the call succeeds.
+func TestDatagramSecretRetriesWhileUnavailable(t *testing.T) {
+	t.Parallel()
+	db, proxy := bmdbtest.NewBehindProxy(t, bmdb.Config{})
+	proxy.SetMode(tcpproxy.Reset)
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	_, err := db.DatagramSecret(ctx)
+	if !errors.Is(err, context.DeadlineExceeded) || !bmdb.Unavailable(err) {
+		t.Fatalf("DatagramSecret with the database unreachable: %v, want it to retry until the deadline", err)
+	}
+	proxy.SetMode(tcpproxy.Pass)
+	secret, err := db.DatagramSecret(t.Context())
+	if err != nil || len(secret) != 32 {
+		t.Fatalf("DatagramSecret once the database is back: %d bytes, %v", len(secret), err)
 	}
 }
