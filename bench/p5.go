@@ -35,10 +35,15 @@ const (
 	// BENCH_P5_AGENTS says otherwise. Every agent makes a TLS heartbeat
 	// (a handshake, about a millisecond of CPU at each end) before it
 	// heartbeats by datagram, and this shared 2-core machine does 15,000
-	// of them in one p5Ramp; 100,000 take seven minutes more than make
-	// bench's ten minutes leave. Since the server holds nothing per agent
-	// between datagrams, the figure at 15,000 is extrapolated per agent to
-	// p5Machines (printed as such); BENCH_P5_AGENTS=100000 measures it.
+	// of them in two intervals; 100,000 take 420 s at the same pace, six
+	// minutes more than make bench's ten minutes leave. Since the server
+	// holds nothing per agent between datagrams, the figure at 15,000 is
+	// extrapolated per agent to p5Machines (printed as such);
+	// BENCH_P5_AGENTS=100000 measures it, on a quiet machine: on a loaded
+	// one, a stall of the server longer than an agent's three datagram
+	// tries (6 s) sends every agent heartbeating then to TLS, a handshake
+	// each, and at 45,000 agents that load kept the server behind (the
+	// agents' fallback to TLS has no damping).
 	// The other agents were started less than the first-heartbeat timeout
 	// (30 min) ago, so their silence is not yet a reason to recover them.
 	p5DefaultAgents = 15_000
@@ -281,15 +286,21 @@ func benchMemory(ctx context.Context, e *env) error {
 		"stack_inuse_kb", (mem.stackInuse - idleMem.stackInuse) / float64(p5Agents) / 1024,
 		"goroutines", (goroutines - idleGoroutines) / float64(p5Agents)}, common...)...)
 	if p5Agents < p5Machines {
-		// The agents not run add what one run agent adds. When that is
-		// below zero (the server holds nothing per agent between its
-		// datagrams, and the idle process's RSS still carried its
-		// components' first passes over the fleet), they add nothing: the
-		// RSS measured with p5Agents is the estimate.
-		extrapolated := float64(loaded.max) + max(perAgent, 0)*float64(p5Machines-p5Agents)
+		// The agents not run add what one run agent adds to RSS. The
+		// server holds nothing per agent between its datagrams but what
+		// it caches, so that can be lost in RSS's noise, down to below
+		// zero (the idle process still carried its components' first
+		// passes over the fleet): then the Go heap in use per agent,
+		// which is what the server keeps for an agent, is the slope.
+		slope, from := perAgent, "rss"
+		if slope <= 0 {
+			slope, from = max((mem.heapInuse-idleMem.heapInuse)/float64(p5Agents), 0), "heap_inuse"
+		}
+		extrapolated := float64(loaded.max) + slope*float64(p5Machines-p5Agents)
 		report("P5", "rss_mb_extrapolated_100000_agents", extrapolated/mb, append([]any{
 			"limit", float64(limit / mb), "limit_ratio", extrapolated / limit,
-			"from_agents", p5Agents, "baseline_mb", float64(idle.max) / mb, "memory_per_agent_kb", perAgent / 1024}, common...)...)
+			"from_agents", p5Agents, "baseline_mb", float64(idle.max) / mb, "memory_per_agent_kb", perAgent / 1024,
+			"slope_kb", slope / 1024, "slope_from", from}, common...)...)
 	}
 	report("P5", "heartbeats_per_s", beats/elapsed.Seconds(), append([]any{
 		"server_cpu_us", serverUS, "postgres_cpu_us", perBeat(steady.pg - ramp1.pg),
