@@ -9,6 +9,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
+	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,6 +31,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/shepherd/shepherd/agent"
+	"github.com/shepherd/shepherd/api/agent/pulse"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 	"github.com/shepherd/shepherd/api/agent/v1/agentv1connect"
 	"github.com/shepherd/shepherd/bmdb"
@@ -50,12 +54,20 @@ const (
 const loadgenMode = "p1-loadgen"
 
 // benchHeartbeats is P1: heartbeats per second accepted by one callback
-// server from 1,000 and 10,000 simulated agents, each with its own key and
-// TLS connection, sending heartbeats back to back over gRPC; batched, and
-// against a baseline server that writes each heartbeat in its own
-// transaction. The agents run in a second process of this binary, so that
-// the CPU the server, PostgreSQL and the load generator each use can be
-// told apart: all three share this machine's cores.
+// server from 1,000 and 10,000 simulated agents, each with its own key,
+// behaving as the real agent does: a first heartbeat over TLS (with its
+// hardware report) that gets a datagram grant, the TLS connection closed,
+// then heartbeats as pulse datagrams from the agent's own UDP socket, back
+// to back (each agent waits for the reply to one before sending the
+// next); batched, and against a baseline server that writes each heartbeat
+// in its own transaction. The agents run in a second process of this
+// binary, so that the CPU the server, PostgreSQL and the load generator
+// each use can be told apart: all three share this machine's cores.
+//
+// With BENCH_P1_TLS=1 it also measures agents that do not speak datagrams
+// (every heartbeat over a kept TLS connection), against the TLS transport
+// ceiling, printed with transport=tls: make bench's ten minutes do not
+// leave room for both by default.
 func benchHeartbeats(ctx context.Context, e *env) error {
 	url, err := e.database(ctx, "p1")
 	if err != nil {
@@ -73,37 +85,45 @@ func benchHeartbeats(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	// The ceiling is measured once, with the smallest fleet: it connects
-	// in seconds, and a trivial server gets its highest rate from few
-	// connections, so the limit it sets for larger fleets is the harder one.
-	ceilingAgents := slices.Min(p1Agents)
-	ceiling, transportCPU, err := transportCeiling(ctx, ids[:ceilingAgents])
-	if err != nil {
-		return fmt.Errorf("%d agents, transport only: %w", ceilingAgents, err)
-	}
-	limit := p1CeilingShare * ceiling
 	profiles, err := artefactDir("p1")
 	if err != nil {
 		return err
 	}
-	for _, n := range p1Agents {
-		profile := filepath.Join(profiles, fmt.Sprintf("cpu-%d.pb.gz", n))
-		batched, err := runHeartbeats(ctx, e, db, ids[:n], false, profile)
+	transports := []string{transportDatagram}
+	if os.Getenv("BENCH_P1_TLS") == "1" {
+		transports = append(transports, transportTLS)
+	}
+	for _, transport := range transports {
+		// The ceiling is measured once, with the smallest fleet: it
+		// connects in seconds, and a trivial server gets its highest
+		// rate from few agents, so the limit it sets for larger fleets
+		// is the harder one.
+		ceilingAgents := slices.Min(p1Agents)
+		ceiling, transportCPU, err := transportCeiling(ctx, ids[:ceilingAgents], transport)
 		if err != nil {
-			return fmt.Errorf("%d agents, batched: %w", n, err)
+			return fmt.Errorf("%d agents, %s transport only: %w", ceilingAgents, transport, err)
 		}
-		single, err := runHeartbeats(ctx, e, db, ids[:n], true, "")
-		if err != nil {
-			return fmt.Errorf("%d agents, one transaction each: %w", n, err)
+		limit := p1CeilingShare * ceiling
+		for _, n := range p1Agents {
+			profile := filepath.Join(profiles, fmt.Sprintf("cpu-%s-%d.pb.gz", transport, n))
+			batched, err := runHeartbeats(ctx, e, db, ids[:n], false, transport, profile)
+			if err != nil {
+				return fmt.Errorf("%d agents, %s, batched: %w", n, transport, err)
+			}
+			single, err := runHeartbeats(ctx, e, db, ids[:n], true, transport, "")
+			if err != nil {
+				return fmt.Errorf("%d agents, %s, one transaction each: %w", n, transport, err)
+			}
+			report("P1", "heartbeats_per_s", batched.perSecond,
+				"baseline", single.perSecond, "ratio", batched.perSecond/single.perSecond,
+				"limit", limit, "limit_ratio", batched.perSecond/limit, "transport_ceiling", ceiling, "ceiling_agents", ceilingAgents,
+				"transport_server_cpu_us", transportCPU,
+				"agents", n, "transport", transport, "mean_batch", batched.meanBatch, "p99_ms", batched.p99ms, "rtt_p99_ms", batched.rttP99ms,
+				"server_cpu_us", batched.serverCPUus, "postgres_cpu_us", batched.pgCPUus, "loadgen_cpu_us", batched.loadgenCPUus,
+				"resends", batched.resends, "no_reply", batched.noReply, "retry_later", batched.retryLater,
+				"baseline_server_cpu_us", single.serverCPUus, "baseline_postgres_cpu_us", single.pgCPUus,
+				"seconds", p1Measure.Seconds(), "profile", profile)
 		}
-		report("P1", "heartbeats_per_s", batched.perSecond,
-			"baseline", single.perSecond, "ratio", batched.perSecond/single.perSecond,
-			"limit", limit, "limit_ratio", batched.perSecond/limit, "transport_ceiling", ceiling, "ceiling_agents", ceilingAgents,
-			"transport_server_cpu_us", transportCPU,
-			"agents", n, "mean_batch", batched.meanBatch, "p99_ms", batched.p99ms,
-			"server_cpu_us", batched.serverCPUus, "postgres_cpu_us", batched.pgCPUus, "loadgen_cpu_us", batched.loadgenCPUus,
-			"baseline_server_cpu_us", single.serverCPUus, "baseline_postgres_cpu_us", single.pgCPUus,
-			"seconds", p1Measure.Seconds(), "profile", profile)
 	}
 	return nil
 }
@@ -153,7 +173,8 @@ func newAgents(ctx context.Context, db *bmdb.DB, n int) ([]uuid.UUID, error) {
 type heartbeatResult struct {
 	perSecond    float64
 	meanBatch    float64
-	p99ms        float64
+	p99ms        float64 // the server's p99 heartbeat latency (its histogram)
+	loadgenDone          // what the load generator counted
 	serverCPUus  float64 // CPU of the server process per accepted heartbeat
 	pgCPUus      float64 // CPU of PostgreSQL per accepted heartbeat
 	loadgenCPUus float64 // CPU of the load generator per accepted heartbeat
@@ -165,7 +186,7 @@ type heartbeatResult struct {
 // profile is not empty, a CPU profile of this process (the server and its
 // database client) under the same load is written there during the warm-up,
 // so that profiling costs the measured window nothing.
-func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, unbatched bool, profile string) (heartbeatResult, error) {
+func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, unbatched bool, transport, profile string) (heartbeatResult, error) {
 	reg := prometheus.NewRegistry()
 	dir, err := os.MkdirTemp("", "shepherd-bench-p1-")
 	if err != nil {
@@ -193,15 +214,20 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 		<-srvDone
 	}()
 
-	lg, err := startLoadgen(ctx, dir, addr.String(), srv.CA(), ids)
+	connecting := time.Now()
+	lg, err := startLoadgen(ctx, dir, addr.String(), srv.CA(), ids, transport)
 	if err != nil {
 		return heartbeatResult{}, err
 	}
+	fmt.Fprintf(os.Stderr, "bench: P1: %d agents (%s) started in %s\n", len(ids), transport, time.Since(connecting).Round(time.Second/10))
 	defer lg.stop()
 	if err := lg.start(); err != nil {
 		return heartbeatResult{}, err
 	}
 	if err := sleepProfiled(ctx, p1Warmup, profile); err != nil {
+		return heartbeatResult{}, err
+	}
+	if err := lg.measure(); err != nil {
 		return heartbeatResult{}, err
 	}
 	acc0, batches0, sum0 := serverCounts(reg)
@@ -212,7 +238,8 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 	srv1, pg1, lg1 := processCPU(), postgresCPU(e.srv.DataDir()), pidCPUOrZero(lg.cmd.Process.Pid)
 	elapsed := time.Since(start)
 	p99 := latencyQuantile(reg, 0.99)
-	if err := lg.finish(); err != nil {
+	done, err := lg.finish()
+	if err != nil {
 		return heartbeatResult{}, err
 	}
 	accepted := acc1 - acc0
@@ -226,6 +253,7 @@ func runHeartbeats(ctx context.Context, e *env, db *bmdb.DB, ids []uuid.UUID, un
 		serverCPUus:  perBeat(srv1 - srv0),
 		pgCPUus:      perBeat(pg1 - pg0),
 		loadgenCPUus: perBeat(lg1 - lg0),
+		loadgenDone:  done,
 	}
 	if batches1 > batches0 {
 		res.meanBatch = (sum1 - sum0) / (batches1 - batches0)
@@ -245,7 +273,7 @@ type loadgen struct {
 // certificate the DER CA ca signed, for the agents ids (agent i has key
 // agentKey(i)), and returns once every agent has connected and sent one
 // heartbeat. Its files go to dir.
-func startLoadgen(ctx context.Context, dir, addr string, ca []byte, ids []uuid.UUID) (*loadgen, error) {
+func startLoadgen(ctx context.Context, dir, addr string, ca []byte, ids []uuid.UUID, transport string) (*loadgen, error) {
 	caPath, idsPath := filepath.Join(dir, "ca.der"), filepath.Join(dir, "agents")
 	if err := os.WriteFile(caPath, ca, 0o600); err != nil {
 		return nil, err
@@ -257,7 +285,7 @@ func startLoadgen(ctx context.Context, dir, addr string, ca []byte, ids []uuid.U
 	if err := os.WriteFile(idsPath, []byte(lines.String()), 0o600); err != nil {
 		return nil, err
 	}
-	cmd, stdin, stdout, err := startSelf(ctx, loadgenMode, "-endpoint", addr, "-ca", caPath, "-agents", idsPath)
+	cmd, stdin, stdout, err := startSelf(ctx, loadgenMode, "-endpoint", addr, "-ca", caPath, "-agents", idsPath, "-transport", transport)
 	if err != nil {
 		return nil, err
 	}
@@ -311,17 +339,39 @@ func (l *loadgen) start() error {
 	return err
 }
 
+// loadgenDone is what the load generator said when it stopped.
+type loadgenDone struct {
+	// All since MEASURE: the p99 of the heartbeats' round trips, the
+	// datagrams sent again after a timeout, the heartbeats none of whose
+	// datagrams got a reply and the replies that said retry later.
+	rttP99ms                     float64
+	resends, noReply, retryLater int64
+}
+
+// measure tells the load generator that the measuring window starts.
+func (l *loadgen) measure() error {
+	_, err := io.WriteString(l.stdin, "MEASURE\n")
+	return err
+}
+
 // finish stops the heartbeats and fails if any of them failed.
-func (l *loadgen) finish() error {
+func (l *loadgen) finish() (loadgenDone, error) {
 	l.stdin.Close()
 	line, err := l.expect("DONE")
 	if err != nil {
-		return err
+		return loadgenDone{}, err
 	}
-	if line != "DONE failures=0" {
-		return fmt.Errorf("load generator: %s", line)
+	var d loadgenDone
+	var failures int64
+	var first string
+	if _, err := fmt.Sscanf(line, "DONE failures=%d rtt_p99_ms=%g resends=%d no_reply=%d retry_later=%d first=%q",
+		&failures, &d.rttP99ms, &d.resends, &d.noReply, &d.retryLater, &first); err != nil {
+		return loadgenDone{}, fmt.Errorf("load generator: %q: %w", line, err)
 	}
-	return nil
+	if failures > 0 {
+		return loadgenDone{}, fmt.Errorf("load generator: %s", line)
+	}
+	return d, nil
 }
 
 // stop ends the load generator and waits for it.
@@ -352,20 +402,56 @@ func readAgents(path string) ([]string, error) {
 	return ids, nil
 }
 
+// Transports of P1's load generator (its -transport flag).
+const (
+	// transportDatagram is the agent of today: a TLS heartbeat with its
+	// hardware report gets a datagram grant, the agent closes its TLS
+	// connection and sends every later heartbeat as a pulse datagram from
+	// its own UDP socket.
+	transportDatagram = "datagram"
+	// transportTLS is an agent that does not speak datagrams: every
+	// heartbeat over its kept TLS connection.
+	transportTLS = "tls"
+)
+
+// benchHardwareReport is the small hardware report of a simulated agent's
+// first heartbeat: the real agent sends one until it is acknowledged.
+func benchHardwareReport() *agentv1.HardwareReport {
+	return &agentv1.HardwareReport{
+		Cpu:         &agentv1.CPU{Model: "bench", Sockets: 1, Cores: 2, Threads: 4},
+		MemoryBytes: 8 << 30,
+	}
+}
+
 // loadgenMain is the load generator process: it connects every agent named
-// in the agents file, prints READY, sends heartbeats back to back from the
-// GO line on stdin until stdin closes, and prints DONE with the failures.
+// in the agents file (with -transport datagram, each makes its first
+// heartbeat over TLS, takes its datagram grant and closes the connection),
+// prints READY, sends heartbeats back to back from the GO line on stdin
+// (each agent one at a time, waiting for the answer), restarts its latency
+// count on a MEASURE line, and when stdin closes prints DONE with the
+// failures and, since MEASURE, the p99 of the heartbeats' round trips, the
+// datagrams sent again after a timeout, the heartbeats none of whose
+// datagrams got a reply (the real agent would call over TLS) and the
+// replies that said retry later.
 func loadgenMain(args []string) int {
 	fs := flag.NewFlagSet(loadgenMode, flag.ContinueOnError)
 	endpoint := fs.String("endpoint", "", "callback server host:port")
 	caPath := fs.String("ca", "", "DER CA certificate of the server")
 	agentsPath := fs.String("agents", "", "file with one machine id per line; line i uses agentKey(i)")
+	transport := fs.String("transport", transportDatagram, "datagram or tls")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	fail := func(err error) int {
 		fmt.Println("ERROR", err)
 		return 1
+	}
+	if *transport != transportDatagram && *transport != transportTLS {
+		return fail(fmt.Errorf("unknown -transport %q", *transport))
+	}
+	host, _, err := net.SplitHostPort(*endpoint)
+	if err != nil {
+		return fail(fmt.Errorf("endpoint %q: %w", *endpoint, err))
 	}
 	ca, err := os.ReadFile(*caPath)
 	if err != nil {
@@ -377,10 +463,14 @@ func loadgenMain(args []string) int {
 	}
 	ctx := context.Background()
 	conns := make([]*grpc.ClientConn, len(ids))
+	pulses := make([]*pulseAgent, len(ids))
 	defer func() {
-		for _, c := range conns {
-			if c != nil {
-				c.Close()
+		for i := range ids {
+			if conns[i] != nil {
+				conns[i].Close()
+			}
+			if pulses[i] != nil {
+				pulses[i].close()
 			}
 		}
 	}()
@@ -398,7 +488,23 @@ func loadgenMain(args []string) int {
 			if conns[i], err = grpc.NewClient(*endpoint, grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg))); err != nil {
 				return err
 			}
-			return heartbeat(ctx, conns[i], &agentv1.HeartbeatRequest{MachineId: id})
+			resp, err := heartbeat(ctx, conns[i], &agentv1.HeartbeatRequest{MachineId: id, AgentVersion: "bench", HardwareReport: benchHardwareReport()})
+			if err != nil || *transport == transportTLS {
+				return err
+			}
+			// As the agent does while it holds a grant: nothing stays
+			// open on the server between heartbeats.
+			err = conns[i].Close()
+			conns[i] = nil
+			if err != nil {
+				return err
+			}
+			machine, err := uuid.Parse(id)
+			if err != nil {
+				return err
+			}
+			pulses[i], err = newPulseAgent(machine, agentKey(i).Public().(ed25519.PublicKey), resp.GetDatagramGrant(), host, netip.Addr{})
+			return err
 		})
 	}
 	if err := g.Wait(); err != nil {
@@ -409,31 +515,111 @@ func loadgenMain(args []string) int {
 	if !in.Scan() || in.Text() != "GO" {
 		return fail(errors.New("no GO on stdin"))
 	}
+	var rtt latencies
+	var failures, noReply, retryLater, resends0 atomic.Int64
+	var firstErr atomic.Value
+	resends := func() (n int64) {
+		for _, p := range pulses {
+			if p != nil {
+				n += p.resends.Load()
+			}
+		}
+		return n
+	}
 	runCtx, cancel := context.WithCancel(ctx)
 	go func() {
-		_, _ = io.Copy(io.Discard, os.Stdin) // until stdin closes
+		for in.Scan() { // until stdin closes
+			if in.Text() == "MEASURE" {
+				rtt.reset()
+				noReply.Store(0)
+				retryLater.Store(0)
+				resends0.Store(resends())
+			}
+		}
 		cancel()
 	}()
-	var failures atomic.Int64
-	var firstErr atomic.Value
+	failed := func(err error) {
+		failures.Add(1)
+		firstErr.CompareAndSwap(nil, err.Error())
+	}
 	var wg sync.WaitGroup
 	for i, id := range ids {
 		req := &agentv1.HeartbeatRequest{MachineId: id, AgentVersion: "bench"}
 		wg.Go(func() {
 			for runCtx.Err() == nil {
-				if err := heartbeat(runCtx, conns[i], req); err != nil && runCtx.Err() == nil {
-					failures.Add(1)
-					firstErr.CompareAndSwap(nil, err.Error())
+				start := time.Now()
+				if pulses[i] == nil {
+					if _, err := heartbeat(runCtx, conns[i], req); err != nil {
+						if runCtx.Err() == nil {
+							failed(err)
+						}
+						continue
+					}
+					rtt.add(time.Since(start))
+					continue
+				}
+				rep, err := pulses[i].beat(runCtx)
+				switch {
+				case runCtx.Err() != nil:
+				case errors.Is(err, errNoReply):
+					// The real agent would now call over TLS; here it
+					// is counted, and the agent goes on.
+					noReply.Add(1)
+				case err != nil:
+					failed(err)
+				case rep.Status == pulse.StatusRetryLater:
+					// The server could not record it (busy): as the
+					// agent does, send it again when the server says.
+					retryLater.Add(1)
+					sleepCtx(runCtx, rep.NextIn)
+				case rep.Status != pulse.StatusRecorded:
+					// No installation is pending and every key is
+					// right: being sent to TLS is a fault here.
+					failed(fmt.Errorf("heartbeat datagram of %s: %s", id, rep.Status))
+				default:
+					rtt.add(time.Since(start))
 				}
 			}
 		})
 	}
 	wg.Wait()
-	if n := failures.Load(); n > 0 {
-		fmt.Printf("DONE failures=%d first=%v\n", n, firstErr.Load())
-		return 0
+	first, _ := firstErr.Load().(string)
+	fmt.Printf("DONE failures=%d rtt_p99_ms=%s resends=%d no_reply=%d retry_later=%d first=%q\n", failures.Load(),
+		num(rtt.quantile(0.99).Seconds()*1000), resends()-resends0.Load(), noReply.Load(), retryLater.Load(), first)
+	return 0
+}
+
+// latencies is a histogram of round trips in 100 µs buckets up to 10 s,
+// safe for concurrent use.
+type latencies struct {
+	buckets [100_001]atomic.Int64
+}
+
+const latencyBucket = 100 * time.Microsecond
+
+func (l *latencies) add(d time.Duration) {
+	l.buckets[min(int(d/latencyBucket), len(l.buckets)-1)].Add(1)
+}
+
+func (l *latencies) reset() {
+	for i := range l.buckets {
+		l.buckets[i].Store(0)
 	}
-	fmt.Println("DONE failures=0")
+}
+
+// quantile returns the upper bound of the bucket quantile q falls in (0
+// without samples).
+func (l *latencies) quantile(q float64) time.Duration {
+	var total int64
+	for i := range l.buckets {
+		total += l.buckets[i].Load()
+	}
+	want, seen := int64(math.Ceil(q*float64(total))), int64(0)
+	for i := range l.buckets {
+		if seen += l.buckets[i].Load(); seen >= want && seen > 0 {
+			return time.Duration(i+1) * latencyBucket
+		}
+	}
 	return 0
 }
 
@@ -456,8 +642,12 @@ func raiseFileLimit(n int) error {
 }
 
 // heartbeat makes one heartbeat RPC on conn.
-func heartbeat(ctx context.Context, conn *grpc.ClientConn, req *agentv1.HeartbeatRequest) error {
-	return conn.Invoke(ctx, agentv1connect.AgentCallbackServiceHeartbeatProcedure, req, &agentv1.HeartbeatResponse{})
+func heartbeat(ctx context.Context, conn *grpc.ClientConn, req *agentv1.HeartbeatRequest) (*agentv1.HeartbeatResponse, error) {
+	resp := &agentv1.HeartbeatResponse{}
+	if err := conn.Invoke(ctx, agentv1connect.AgentCallbackServiceHeartbeatProcedure, req, resp); err != nil {
+		return nil, err
+	}
+	return resp, nil
 }
 
 // serverCounts reads accepted heartbeats and the batch-size histogram's
@@ -477,7 +667,8 @@ func serverCounts(reg *prometheus.Registry) (accepted, batches, batched float64)
 }
 
 // latencyQuantile estimates a quantile of the server's request latency
-// from its histogram buckets (the upper bound of the bucket it falls in).
+// from its histogram buckets (the upper bound of the bucket it falls in;
+// +Inf beyond the last bound; 0 without samples).
 func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
 	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
@@ -485,12 +676,16 @@ func latencyQuantile(reg *prometheus.Registry, q float64) float64 {
 			continue
 		}
 		h := mf.GetMetric()[0].GetHistogram()
+		if h.GetSampleCount() == 0 {
+			return 0
+		}
 		want := q * float64(h.GetSampleCount())
 		for _, b := range h.GetBucket() {
 			if float64(b.GetCumulativeCount()) >= want {
 				return b.GetUpperBound()
 			}
 		}
+		return math.Inf(1)
 	}
 	return 0
 }
