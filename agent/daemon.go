@@ -200,6 +200,21 @@ type daemon struct {
 	dialDatagram dialDatagramFunc // nil: dialUDP
 	dg           *datagrams       // the grant of the last TLS heartbeat; nil: heartbeats go over TLS
 	counter      uint64           // the last datagram counter sent, or the server's floor if higher
+	// answeredAt is when the server last answered (over TLS, or a
+	// datagram); every is the heartbeat interval then in effect; dgBackoff
+	// is the back-off of datagrams sent again after no answer.
+	answeredAt time.Time
+	every      time.Duration
+	dgBackoff  time.Duration
+}
+
+// answered notes that the server answered, asking for the next heartbeat
+// after next (0: the default).
+func (d *daemon) answered(next time.Duration) {
+	d.answeredAt, d.dgBackoff = time.Now(), 0
+	if next > 0 || d.every == 0 {
+		d.every = d.interval(next)
+	}
 }
 
 // ErrRetired is what the daemon returns when the callback server answers
@@ -324,16 +339,33 @@ func (d *daemon) run(ctx context.Context) error {
 			switch {
 			case ctx.Err() != nil:
 				continue
+			case errors.Is(err, errNoReply) && time.Since(d.answeredAt) < 2*d.every:
+				// No answer, but the server answered within two
+				// intervals: it may be stalled (its database, its
+				// process) or the network may drop datagrams for a
+				// moment. Falling back to TLS at once would make every
+				// agent of the fleet open a connection in the same
+				// seconds, a handshake each, against a server that cannot
+				// answer; a datagram again after a back-off costs
+				// nothing. The machine is silent for at most two
+				// intervals, far less than the heartbeat timeout.
+				d.dgBackoff = min(max(2*d.dgBackoff, time.Second), d.every)
+				wait := jitter(d.dgBackoff)
+				d.log.WarnContext(ctx, "heartbeat datagrams unanswered, sending again", "err", err, "retry_in", wait.Round(time.Millisecond))
+				timer.Reset(wait)
+				continue
 			case err != nil:
 				d.log.WarnContext(ctx, "heartbeat datagrams unanswered, calling over TLS", "err", err)
 			case r.Status == pulse.StatusRecorded:
 				backoff, accepted = 0, true
+				d.answered(r.NextIn)
 				timer.Reset(d.interval(r.NextIn))
 				continue
 			case r.Status == pulse.StatusRetryLater:
 				// As with a TLS retry pushback; TLS would cost a
 				// handshake and record nothing more.
 				backoff = 0
+				d.answered(0)
 				wait := pushbackWait(r.NextIn)
 				d.log.WarnContext(ctx, "heartbeat datagram not recorded, retrying as the server asks", "retry_in", wait.Round(time.Millisecond))
 				timer.Reset(wait)
@@ -352,6 +384,7 @@ func (d *daemon) run(ctx context.Context) error {
 		resp, err := d.client.Heartbeat(rctx, connect.NewRequest(req))
 		cancel()
 		if err == nil {
+			d.answered(resp.Msg.GetNextHeartbeatIn().AsDuration())
 			d.takeGrant(ctx, resp.Msg.GetDatagramGrant(), hadGrant)
 		}
 		if (hadGrant || d.dg != nil) && d.closeIdle != nil {

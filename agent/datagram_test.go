@@ -42,6 +42,11 @@ type datagramPeer struct {
 	addrs []string
 }
 
+// around is a time that follows one jittered back-off of a second (±20 %).
+func around(d time.Duration) window {
+	return window{d - 200*time.Millisecond, d + 200*time.Millisecond}
+}
+
 // datagram is a request the peer received, and when.
 type datagram struct {
 	at  time.Time
@@ -244,18 +249,35 @@ func TestDatagramFallbacks(t *testing.T) {
 		report     bool
 	}{
 		{
-			name:     "unanswered: three tries 2s apart, then TLS",
+			// The server answered within two intervals (the grant, at
+			// 0): the datagrams go again after a second's back-off
+			// before the agent gives up on them at 23 s.
+			name:     "unanswered: three tries 2s apart, again after a back-off, then TLS",
 			answer:   func(*datagramPeer, int, pulse.Request) [][]byte { return nil },
 			tls:      func(*datagramPeer, int) *agentv1.HeartbeatResponse { return answer(idle) },
-			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s)},
-			counters: []uint64{6, 7, 8},
-			tlsAt:    []window{exactly(16 * s)},
+			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s)},
+			counters: []uint64{6, 7, 8, 9, 10, 11},
+			tlsAt:    []window{around(23 * s)},
 			closes:   2, // after the first TLS heartbeat, and after the fallback, which still held the grant
+		},
+		{
+			// A server that stalls for less than two intervals costs no
+			// TLS connection: the fleet does not all handshake at once.
+			name: "unanswered, then answered: no TLS",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n < 3 {
+					return nil
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s)},
+			counters: []uint64{6, 7, 8, 9},
+			closes:   1,
 		},
 		{
 			name: "unanswered, then granted again: back to datagrams, counters go on",
 			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
-				if n < 3 {
+				if n < 6 {
 					return nil
 				}
 				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
@@ -265,9 +287,10 @@ func TestDatagramFallbacks(t *testing.T) {
 				r.DatagramGrant = p.grant(9, 6) // the server's floor is the last counter it took, not the last sent
 				return r
 			},
-			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), exactly(26 * s)},
-			counters: []uint64{6, 7, 8, 9},
-			tlsAt:    []window{exactly(16 * s)},
+			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
+				around(33 * s)},
+			counters: []uint64{6, 7, 8, 9, 10, 11, 12},
+			tlsAt:    []window{around(23 * s)},
 			closes:   2,
 		},
 		{

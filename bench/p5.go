@@ -39,11 +39,11 @@ const (
 	// minutes more than make bench's ten minutes leave. Since the server
 	// holds nothing per agent between datagrams, the figure at 15,000 is
 	// extrapolated per agent to p5Machines (printed as such);
-	// BENCH_P5_AGENTS=100000 measures it, on a quiet machine: on a loaded
-	// one, a stall of the server longer than an agent's three datagram
-	// tries (6 s) sends every agent heartbeating then to TLS, a handshake
-	// each, and at 45,000 agents that load kept the server behind (the
-	// agents' fallback to TLS has no damping).
+	// BENCH_P5_AGENTS=100000 measures it, on a quiet machine. (On a
+	// loaded one, before agents sent unanswered datagrams again after a
+	// back-off, a stall of the server longer than an agent's three tries
+	// sent every agent heartbeating then to TLS, a handshake each, and at
+	// 45,000 agents that load kept the server behind.)
 	// The other agents were started less than the first-heartbeat timeout
 	// (30 min) ago, so their silence is not yet a reason to recover them.
 	p5DefaultAgents = 15_000
