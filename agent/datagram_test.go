@@ -275,6 +275,23 @@ func TestDatagramFallbacks(t *testing.T) {
 			closes:   1,
 		},
 		{
+			// An answer ends the back-off: a second outage starts again
+			// from a second, not from where the first left off.
+			name: "an answer resets the back-off",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				switch {
+				case n < 3 || (n >= 4 && n < 7):
+					return nil
+				case n == 3:
+					return [][]byte{p.reply(req, pulse.StatusRecorded, 10*time.Second)}
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s),
+				around(27 * s), around(29 * s), around(31 * s), {33600 * time.Millisecond, 34400 * time.Millisecond}},
+			closes: 1,
+		},
+		{
 			name: "unanswered, then granted again: back to datagrams, counters go on",
 			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
 				if n < 6 {
