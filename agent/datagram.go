@@ -141,3 +141,40 @@ func (dg *datagrams) beat(ctx context.Context, counter *uint64, known int64) (pu
 	}
 	return pulse.Reply{}, errNoReply
 }
+
+// DatagramClient sends heartbeats as datagrams under one grant exactly as
+// the agent daemon does (the same tries, waits and reply checks). It is
+// exported for the benchmark's load generators, whose simulated agents
+// must behave as the real one; the daemon uses it through its loop.
+type DatagramClient struct{ dg *datagrams }
+
+// ErrNoDatagramReply is what Beat returns when no try got its reply.
+var ErrNoDatagramReply = errNoReply
+
+// NewDatagramClient checks grant g and connects, with dial (nil: a UDP
+// socket), to the port it names on the host of endpoint.
+func NewDatagramClient(ctx context.Context, dial func(ctx context.Context, addr string) (net.Conn, error), endpoint string,
+	g *agentv1.DatagramGrant, machine uuid.UUID, agentKey ed25519.PublicKey) (*DatagramClient, error) {
+	if dial == nil {
+		dial = dialUDP
+	}
+	dg, err := newDatagrams(ctx, dial, endpoint, g, machine, agentKey)
+	if err != nil {
+		return nil, err
+	}
+	return &DatagramClient{dg: dg}, nil
+}
+
+// Beat sends one heartbeat with counters above *counter, which it advances
+// to the last one sent; known is the newest installation generation the
+// agent has received.
+func (c *DatagramClient) Beat(ctx context.Context, counter *uint64, known int64) (pulse.Reply, error) {
+	return c.dg.beat(ctx, counter, known)
+}
+
+// SetWait changes how long each try waits for its reply (datagramWait by
+// default); for tests.
+func (c *DatagramClient) SetWait(d time.Duration) { c.dg.wait = d }
+
+// Close closes the socket.
+func (c *DatagramClient) Close() { c.dg.close() }

@@ -260,14 +260,14 @@ func (a *p5Agent) tlsBeat(ctx context.Context) error {
 	// recorded raises the stored counter after the grant. A counter is
 	// never used twice under one key, so the agent goes on from the
 	// higher of the two.
-	p.req.Counter = max(p.req.Counter, a.counter)
+	p.counter = max(p.counter, a.counter)
 	return nil
 }
 
 // dropGrant closes the agent's datagram socket: its next heartbeat goes
 // over TLS.
 func (a *p5Agent) dropGrant() {
-	a.counter = max(a.counter, a.pulse.req.Counter)
+	a.counter = max(a.counter, a.pulse.counter)
 	a.pulse.close()
 	a.pulse = nil
 }

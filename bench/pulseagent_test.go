@@ -81,7 +81,7 @@ func TestPulseAgentWrongKeyGetsNoReply(t *testing.T) {
 	machine := uuid.New()
 	wrong := pulse.DeriveKey([]byte("another secret, another server."), machine, agentKey(0).Public().(ed25519.PublicKey))
 	a := testAgent(t, machine, wrong, echo.port(), 0)
-	a.timeout = 20 * time.Millisecond
+	a.client.SetWait(20 * time.Millisecond)
 	if _, err := a.beat(t.Context()); !errors.Is(err, errNoReply) {
 		t.Fatalf("beat: %v, want errNoReply", err)
 	}
@@ -111,7 +111,7 @@ func TestPulseAgentIgnoresStrayReplies(t *testing.T) {
 	var key, forged pulse.Key
 	key[0], forged[0] = 1, 2
 	a := testAgent(t, machine, key, conn.LocalAddr().(*net.UDPAddr).Port, 10)
-	a.timeout = 200 * time.Millisecond
+	a.client.SetWait(200 * time.Millisecond)
 
 	type result struct {
 		rep pulse.Reply
@@ -187,7 +187,7 @@ func TestPulseAgentBeatEndsWithContext(t *testing.T) {
 	t.Cleanup(func() { conn.Close() })
 	var key pulse.Key
 	a := testAgent(t, uuid.New(), key, conn.LocalAddr().(*net.UDPAddr).Port, 0)
-	a.timeout = time.Hour
+	a.client.SetWait(time.Hour)
 	ctx, cancel := context.WithCancel(t.Context())
 	res := make(chan error, 1)
 	go func() {
@@ -271,7 +271,7 @@ func TestPulseAgentTakesReplyToEarlierTry(t *testing.T) {
 	t.Cleanup(func() { conn.Close() })
 	var key pulse.Key
 	a := testAgent(t, uuid.New(), key, conn.LocalAddr().(*net.UDPAddr).Port, 0)
-	a.timeout = 100 * time.Millisecond
+	a.client.SetWait(100 * time.Millisecond)
 	res := make(chan error, 1)
 	var rep pulse.Reply
 	go func() {
