@@ -62,6 +62,10 @@ type datagrams struct {
 	agentKey ed25519.PublicKey
 	tries    int
 	wait     time.Duration
+	// msg and buf are the request and reply buffers, kept between beats
+	// (a load generator runs thousands of these); buf is one byte longer
+	// than a reply: a longer datagram is malformed, not cut short.
+	msg, buf []byte
 }
 
 // newDatagrams checks grant g and connects a socket to the port it names on
@@ -83,7 +87,8 @@ func newDatagrams(ctx context.Context, dial dialDatagramFunc, endpoint string, g
 	if err != nil {
 		return nil, fmt.Errorf("datagram grant: connecting to %s: %w", addr, err)
 	}
-	dg := &datagrams{conn: conn, machine: machine, agentKey: agentKey, tries: datagramTries, wait: datagramWait}
+	dg := &datagrams{conn: conn, machine: machine, agentKey: agentKey, tries: datagramTries, wait: datagramWait,
+		msg: make([]byte, 0, pulse.RequestSize), buf: make([]byte, pulse.ReplySize+1)}
 	copy(dg.key[:], g.GetKey())
 	return dg, nil
 }
@@ -102,8 +107,7 @@ func (dg *datagrams) beat(ctx context.Context, counter *uint64, known int64) (pu
 	stop := context.AfterFunc(ctx, func() { _ = dg.conn.SetReadDeadline(time.Unix(1, 0)) })
 	defer stop()
 	first := *counter + 1
-	msg := make([]byte, 0, pulse.RequestSize)
-	buf := make([]byte, pulse.ReplySize+1) // one byte more: a longer datagram is malformed, not cut short
+	msg, buf := dg.msg[:0], dg.buf
 	for range dg.tries {
 		if *counter >= math.MaxInt64 {
 			return pulse.Reply{}, errCounterExhausted
