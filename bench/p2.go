@@ -43,23 +43,25 @@ func benchClaimFinish(ctx context.Context, e *env) error {
 		return err
 	}
 
-	skip, err := runCycles(ctx, db, url, reg, bmdb.ClaimSkipLocked)
+	skip, err := runCycles(ctx, e, db, url, reg, bmdb.ClaimSkipLocked)
 	if err != nil {
 		return fmt.Errorf("skip-locked cycles: %w", err)
 	}
-	plain, err := runCycles(ctx, db, url, reg, bmdb.ClaimPlainLimit)
+	plain, err := runCycles(ctx, e, db, url, reg, bmdb.ClaimPlainLimit)
 	if err != nil {
 		return fmt.Errorf("plain-limit cycles: %w", err)
 	}
-	tps, err := pgbenchTPS(ctx, e)
+	pgb, err := runPgbench(ctx, e)
 	if err != nil {
 		return fmt.Errorf("pgbench: %w", err)
 	}
 	report("P2", "claim_finish_per_s", skip.perSecond,
 		"baseline", plain.perSecond, "ratio", skip.perSecond/plain.perSecond,
-		"limit", tps, "limit_ratio", skip.perSecond/tps,
+		"limit", pgb.tps, "limit_ratio", skip.perSecond/pgb.tps,
 		"workers", p2Workers, "machines", p2Machines,
 		"conflict_pct", 100*skip.conflictRate, "retry_pct", 100*skip.retryRate, "wal_bytes_per_cycle", skip.walPerCycle,
+		"postgres_cpu_us", skip.postgresCPU.Seconds()*1e6, "process_cpu_us", skip.processCPU.Seconds()*1e6,
+		"limit_postgres_cpu_us", pgb.postgresCPU.Seconds()*1e6, "limit_pgbench_cpu_us", pgb.clientCPU.Seconds()*1e6,
 		"baseline_conflict_pct", 100*plain.conflictRate, "baseline_empty_claim_pct", 100*plain.emptyRate,
 		"seconds", p2Measure.Seconds())
 	return nil
@@ -103,13 +105,18 @@ type cycleResult struct {
 	// not move with the load of other processes on the machine, so it is the
 	// number to compare when a change is meant to make the cycle cheaper.
 	walPerCycle float64
+	// postgresCPU and processCPU are the CPU time PostgreSQL and this
+	// process spent per cycle in the measuring window. On two shared cores
+	// the rate moves with everything else that runs; these say what a cycle
+	// costs, and so where the gap to pgbench's rate is.
+	postgresCPU, processCPU time.Duration
 }
 
 // runCycles runs p2Workers workers that claim an agent-start candidate and
 // finish it straight away (without tag changes, so the machine stays a
 // candidate), and counts cycles in the measuring window after a warm-up.
 // url is db's database, on which it reads the WAL position.
-func runCycles(ctx context.Context, db *bmdb.DB, url string, reg *prometheus.Registry, strategy bmdb.ClaimStrategy) (cycleResult, error) {
+func runCycles(ctx context.Context, e *env, db *bmdb.DB, url string, reg *prometheus.Registry, strategy bmdb.ClaimStrategy) (cycleResult, error) {
 	s, err := db.StartSession(ctx, bmdb.SessionConfig{Component: "bench", ClaimStrategy: strategy})
 	if err != nil {
 		return cycleResult{}, err
@@ -156,11 +163,13 @@ func runCycles(ctx context.Context, db *bmdb.DB, url string, reg *prometheus.Reg
 	sleepCtx(runCtx, p2Warmup)
 	conflicts0, retries0 := counter(reg, "shepherd_bmdb_work_claim_conflicts_total"), counter(reg, "shepherd_bmdb_transaction_retries_total")
 	wal0, walErr0 := walPosition(ctx, url)
+	pg0, cpu0 := postgresCPU(e.srv.DataDir()), processCPU()
 	measuring.Store(true)
 	start := time.Now()
 	sleepCtx(runCtx, p2Measure)
 	measuring.Store(false)
 	elapsed := time.Since(start)
+	pg1, cpu1 := postgresCPU(e.srv.DataDir()), processCPU()
 	wal1, walErr1 := walPosition(ctx, url)
 	conflicts, retries := counter(reg, "shepherd_bmdb_work_claim_conflicts_total")-conflicts0, counter(reg, "shepherd_bmdb_transaction_retries_total")-retries0
 	cancel()
@@ -181,6 +190,8 @@ func runCycles(ctx context.Context, db *bmdb.DB, url string, reg *prometheus.Reg
 		retryRate:    retries / n,
 		emptyRate:    float64(empty.Load()) / n,
 		walPerCycle:  (wal1 - wal0) / n,
+		postgresCPU:  (pg1 - pg0) / time.Duration(n),
+		processCPU:   (cpu1 - cpu0) / time.Duration(n),
 	}, nil
 }
 
@@ -217,36 +228,59 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 	}
 }
 
-var tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+var (
+	tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+	txLine  = regexp.MustCompile(`number of transactions actually processed: ([0-9]+)`)
+)
 
-// pgbenchTPS runs pgbench's simple-update script (-N) with 16 clients on the
-// same server and returns its TPS.
-func pgbenchTPS(ctx context.Context, e *env) (float64, error) {
+// pgbenchResult is what P2 takes from pgbench's run: its rate, and the CPU
+// time PostgreSQL and pgbench spent per transaction (connection set-up
+// included, which at 16 connections over 10 s is noise).
+type pgbenchResult struct {
+	tps                    float64
+	postgresCPU, clientCPU time.Duration
+}
+
+// runPgbench runs pgbench's simple-update script (-N) with 16 clients on the
+// same server.
+func runPgbench(ctx context.Context, e *env) (pgbenchResult, error) {
+	var r pgbenchResult
 	bin := filepath.Join(e.srv.BinDir(), "pgbench")
 	if _, err := os.Stat(bin); err != nil {
 		if bin, err = exec.LookPath("pgbench"); err != nil {
-			return 0, errors.New("pgbench not found next to postgres or on PATH (Debian: apt-get install postgresql-contrib)")
+			return r, errors.New("pgbench not found next to postgres or on PATH (Debian: apt-get install postgresql-contrib)")
 		}
 	}
-	url, err := e.database(ctx, "pgbench")
-	if err != nil {
-		return 0, err
+	if _, err := e.database(ctx, "pgbench"); err != nil {
+		return r, err
 	}
-	_ = url
 	dbname := fmt.Sprintf("pgbench_%d", e.seq)
 	conn := []string{"-h", e.srv.SocketDir(), "-p", strconv.Itoa(e.srv.Port()), "-U", e.srv.User()}
 	initArgs := append(append([]string{"-i", "-q", "-s", "16"}, conn...), dbname)
 	if out, err := exec.CommandContext(ctx, bin, initArgs...).CombinedOutput(); err != nil {
-		return 0, fmt.Errorf("pgbench -i: %w: %s", err, out)
+		return r, fmt.Errorf("pgbench -i: %w: %s", err, out)
 	}
 	runArgs := append(append([]string{"-N", "-c", strconv.Itoa(p2Workers), "-j", "2", "-T", strconv.Itoa(int(p2Measure.Seconds()))}, conn...), dbname)
-	out, err := exec.CommandContext(ctx, bin, runArgs...).CombinedOutput()
+	cmd := exec.CommandContext(ctx, bin, runArgs...)
+	pg0 := postgresCPU(e.srv.DataDir())
+	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return 0, fmt.Errorf("pgbench -N: %w: %s", err, out)
+		return r, fmt.Errorf("pgbench -N: %w: %s", err, out)
 	}
-	m := tpsLine.FindSubmatch(out)
-	if m == nil {
-		return 0, fmt.Errorf("no TPS in pgbench output: %s", out)
+	pg1 := postgresCPU(e.srv.DataDir())
+	m, n := tpsLine.FindSubmatch(out), txLine.FindSubmatch(out)
+	if m == nil || n == nil {
+		return r, fmt.Errorf("no TPS or transaction count in pgbench output: %s", out)
 	}
-	return strconv.ParseFloat(string(m[1]), 64)
+	if r.tps, err = strconv.ParseFloat(string(m[1]), 64); err != nil {
+		return r, fmt.Errorf("pgbench's TPS: %w", err)
+	}
+	txs, err := strconv.ParseInt(string(n[1]), 10, 64)
+	if err != nil || txs == 0 {
+		return r, fmt.Errorf("pgbench's transaction count %q: %v", n[1], err)
+	}
+	r.postgresCPU = (pg1 - pg0) / time.Duration(txs)
+	r.clientCPU = cmd.ProcessState.SystemTime() + cmd.ProcessState.UserTime()
+	r.clientCPU /= time.Duration(txs)
+	return r, nil
 }
