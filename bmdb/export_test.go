@@ -70,6 +70,25 @@ func (db *DB) explainCaptured(ctx context.Context, explain string, run func(q *m
 	return strings.Join(lines, "\n"), nil
 }
 
+// ExplainVerboseCandidates is ExplainCandidates with EXPLAIN (VERBOSE),
+// whose plans name every function the statements still call: a SQL
+// function that PostgreSQL inlined into a statement is not called, and
+// does not appear. The plan of the Matching count comes last.
+func (db *DB) ExplainVerboseCandidates(ctx context.Context, process Process, c Candidates) ([]QueryPlan, error) {
+	plans, err := db.explainCandidates(ctx, process, c, "EXPLAIN (VERBOSE) ")
+	if err != nil {
+		return nil, err
+	}
+	plan, err := db.explainCaptured(ctx, "EXPLAIN (VERBOSE) ", func(q *model.Queries) error {
+		_, err := c.matching(ctx, q)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return append(plans, QueryPlan{Statement: "matching", Plan: plan}), nil
+}
+
 // ExplainAnalyzeCandidates is ExplainCandidates with EXPLAIN (ANALYZE,
 // BUFFERS): the statements run (the claim for no session, claiming
 // nothing) and the plans say how many buffers they touched.

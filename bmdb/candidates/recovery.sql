@@ -36,7 +36,9 @@
 -- check-ins (it cannot write now), or died without closing its session
 -- within the timeout (heartbeat_recording_impaired, migration 00013). The
 -- condition does not depend on the machine: as a scalar subquery it is
--- evaluated once per query. The holds are
+-- evaluated once per arm, three times a statement, which is why the
+-- function is PL/pgSQL (migration 00025: a SQL function that cannot be
+-- inlined plans its body at every call). The holds are
 -- the backoff, so the shared backoff exclusion is left out:
 -- +gencandidates:holds-exclude-backoff
 SELECT p.machine_id, p.agent_phase_since AS since

@@ -578,7 +578,9 @@ CROSS JOIN (SELECT count(*) AS expired_count,
 -- check-ins (it cannot write now), or died without closing its session
 -- within the timeout (heartbeat_recording_impaired, migration 00013). The
 -- condition does not depend on the machine: as a scalar subquery it is
--- evaluated once per query. The holds are
+-- evaluated once per arm, three times a statement, which is why the
+-- function is PL/pgSQL (migration 00025: a SQL function that cannot be
+-- inlined plans its body at every call). The holds are
 -- the backoff, so the shared backoff exclusion is left out:
 SELECT c.machine_id
 FROM (
