@@ -206,7 +206,28 @@ type daemon struct {
 	answeredAt time.Time
 	every      time.Duration
 	dgBackoff  time.Duration
+	// failedGrants counts the grants in a row whose datagrams went
+	// unanswered until the agent called over TLS, which got through. At
+	// udpBlockedAfter of them UDP to the server is taken for blocked, and
+	// grants are ignored until tlsOnlyUntil, for tlsOnlyFor (doubling, from
+	// tlsOnlyMin to tlsOnlyMax); an answered datagram resets both.
+	failedGrants int
+	tlsOnlyUntil time.Time
+	tlsOnlyFor   time.Duration
 }
+
+const (
+	// udpBlockedAfter is how many grants in a row must fail before UDP
+	// is taken for blocked. One is not enough: a server that stalls
+	// longer than two intervals fails one grant, and its agents must come
+	// back to datagrams when it recovers, not hold TLS connections.
+	udpBlockedAfter = 2
+	// tlsOnlyMin and tlsOnlyMax bound how long heartbeats stay on TLS
+	// once UDP seems blocked, before datagrams are tried again: trying
+	// costs up to two intervals of heartbeats per failed grant.
+	tlsOnlyMin = 30 * time.Minute
+	tlsOnlyMax = 8 * time.Hour
+)
 
 // answered notes that the server answered, asking for the next heartbeat
 // after next (0: the default).
@@ -355,9 +376,11 @@ func (d *daemon) run(ctx context.Context) error {
 				timer.Reset(wait)
 				continue
 			case err != nil:
+				d.failedGrants++
 				d.log.WarnContext(ctx, "heartbeat datagrams unanswered, calling over TLS", "err", err)
 			case r.Status == pulse.StatusRecorded:
 				backoff, accepted = 0, true
+				d.datagramAnswered()
 				d.answered(r.NextIn)
 				timer.Reset(d.interval(r.NextIn))
 				continue
@@ -365,12 +388,14 @@ func (d *daemon) run(ctx context.Context) error {
 				// As with a TLS retry pushback; TLS would cost a
 				// handshake and record nothing more.
 				backoff = 0
+				d.datagramAnswered()
 				d.answered(0)
 				wait := pushbackWait(r.NextIn)
 				d.log.WarnContext(ctx, "heartbeat datagram not recorded, retrying as the server asks", "retry_in", wait.Round(time.Millisecond))
 				timer.Reset(wait)
 				continue
 			default:
+				d.datagramAnswered()
 				d.log.InfoContext(ctx, "the server asks for a heartbeat over TLS")
 			}
 		}
@@ -465,6 +490,23 @@ func (d *daemon) takeGrant(ctx context.Context, g *agentv1.DatagramGrant, hadGra
 	if g == nil {
 		return
 	}
+	if d.failedGrants >= udpBlockedAfter {
+		// The server answers over TLS but never over UDP: a firewall or
+		// a port mapping that passes only TCP. Datagrams would cost the
+		// machine up to two intervals of silence per grant, and a warning
+		// every few seconds; the kept TLS connection costs the server
+		// memory, which only opening the path (or the server's
+		// --server-no-datagrams) saves.
+		d.failedGrants = 0
+		d.tlsOnlyFor = min(max(2*d.tlsOnlyFor, tlsOnlyMin), tlsOnlyMax)
+		d.tlsOnlyUntil = time.Now().Add(d.tlsOnlyFor)
+		d.log.WarnContext(ctx, "heartbeat datagrams go unanswered while TLS heartbeats get through: UDP to the server seems blocked; "+
+			"heartbeats stay on TLS until datagrams are tried again (open the UDP port to the server, or run it with --server-no-datagrams)",
+			"udp_port", g.GetPort(), "grants_failed", udpBlockedAfter, "tls_only_for", d.tlsOnlyFor)
+	}
+	if time.Now().Before(d.tlsOnlyUntil) {
+		return
+	}
 	dial := d.dialDatagram
 	if dial == nil {
 		dial = dialUDP
@@ -479,6 +521,12 @@ func (d *daemon) takeGrant(ctx context.Context, g *agentv1.DatagramGrant, hadGra
 	if !hadGrant {
 		d.log.InfoContext(ctx, "heartbeats go as datagrams", "port", g.GetPort())
 	}
+}
+
+// datagramAnswered notes that an authentic reply to a datagram came back:
+// UDP to the server works.
+func (d *daemon) datagramAnswered() {
+	d.failedGrants, d.tlsOnlyFor = 0, 0
 }
 
 // dropGrant forgets the datagram grant, and reports whether there was one.

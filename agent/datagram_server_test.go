@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -174,8 +175,11 @@ func TestHeartbeatDatagrams(t *testing.T) {
 }
 
 // TestDatagramsBlackHoled: datagrams to the server's port are dropped on
-// the way (here: they reach a socket that never answers); the agent falls
-// back to TLS after its tries, and the machine keeps heartbeating.
+// the way (here: they reach a socket that never answers), as behind a
+// firewall that passes only TCP. The agent falls back to TLS after each
+// grant's tries; after the second such grant it takes UDP for blocked and
+// heartbeats over one kept TLS connection, sending no more datagrams; the
+// machine keeps heartbeating throughout.
 func TestDatagramsBlackHoled(t *testing.T) {
 	t.Parallel()
 	// The agent's server endpoint is on 127.0.0.3, where the server's
@@ -199,26 +203,34 @@ func TestDatagramsBlackHoled(t *testing.T) {
 	}()
 	id := bmdbtest.AddMachine(t, f.db, f.s, "p")
 	startAgent(t, f, id)
-	conns := c.total.Load()
-	last, err := f.db.GetAgentHeartbeat(t.Context(), id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	seen := 0
-	// Each heartbeat waits three tries of 2 s before its TLS call.
-	bmdbtest.WaitFor(t, 2*time.Minute, "3 more heartbeats", func(ctx context.Context) (bool, error) {
-		at, err := f.db.GetAgentHeartbeat(ctx, id)
-		if err == nil && at.After(last) {
-			last = at
-			seen++
+	heartbeats := func(n int) {
+		t.Helper()
+		last, err := f.db.GetAgentHeartbeat(t.Context(), id)
+		if err != nil {
+			t.Fatal(err)
 		}
-		return seen >= 3, err
-	})
-	if n := dropped.Load(); n < 9 {
-		t.Errorf("%d datagrams black-holed, want at least 9: three tries of each heartbeat", n)
+		seen := 0
+		bmdbtest.WaitFor(t, 2*time.Minute, fmt.Sprintf("%d more heartbeats", n), func(ctx context.Context) (bool, error) {
+			at, err := f.db.GetAgentHeartbeat(ctx, id)
+			if err == nil && at.After(last) {
+				last = at
+				seen++
+			}
+			return seen >= n, err
+		})
 	}
-	if n := c.total.Load(); n < conns+3 {
-		t.Errorf("%d TLS connections for 3 heartbeats, want 3: one for each, closed after it", n-conns)
+	// Each failed grant costs three tries of 2 s before its TLS call.
+	bmdbtest.WaitFor(t, 2*time.Minute, "two grants' datagrams black-holed", func(context.Context) (bool, error) {
+		return dropped.Load() >= 2*3, nil // three tries a grant
+	})
+	heartbeats(2) // the fallback of the second grant, and one on TLS only
+	sent, conns := dropped.Load(), c.total.Load()
+	heartbeats(5)
+	if n := dropped.Load(); n != sent {
+		t.Errorf("%d datagrams sent after UDP was taken for blocked, want none", n-sent)
+	}
+	if n := c.total.Load(); n != conns {
+		t.Errorf("%d TLS connections for 5 heartbeats on TLS only, want 0: the connection is kept", n-conns)
 	}
 }
 

@@ -47,6 +47,11 @@ func around(d time.Duration) window {
 	return window{d - 200*time.Millisecond, d + 200*time.Millisecond}
 }
 
+// wide is a time that follows two jittered back-offs of a second.
+func wide(d time.Duration) window {
+	return window{d - 400*time.Millisecond, d + 400*time.Millisecond}
+}
+
 // datagram is a request the peer received, and when.
 type datagram struct {
 	at  time.Time
@@ -309,6 +314,59 @@ func TestDatagramFallbacks(t *testing.T) {
 			counters: []uint64{6, 7, 8, 9, 10, 11, 12},
 			tlsAt:    []window{around(23 * s)},
 			closes:   2,
+		},
+		{
+			// A firewall that passes TCP but not UDP: the second grant
+			// whose datagrams go unanswered while TLS gets through makes
+			// the agent ignore grants for half an hour (its TLS
+			// connection kept), then try datagrams again.
+			name: "UDP blocked: TLS only after two grants fail, datagrams again later",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n < 12 {
+					return nil
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				next := map[int]time.Duration{1: 10 * time.Second, 2: 10 * time.Minute, 3: 25 * time.Minute, 4: time.Minute}[n]
+				if next == 0 {
+					next = idle
+				}
+				r := answer(next)
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
+				around(33 * s), around(35 * s), around(37 * s), wide(40 * s), wide(42 * s), wide(44 * s),
+				wide(36*time.Minute + 46*s)},
+			tlsAt: []window{around(23 * s), wide(46 * s), wide(10*time.Minute + 46*s), wide(35*time.Minute + 46*s)},
+			// After the first call, and after each TLS call that held a
+			// grant or took one: not while on TLS only.
+			closes: 4,
+		},
+		{
+			// Only grants that fail in a row count: an answered datagram
+			// between two failed grants says UDP works.
+			name: "an answer between two failed grants: datagrams go on",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				switch {
+				case n == 6:
+					return [][]byte{p.reply(req, pulse.StatusRecorded, 10*time.Second)}
+				case n >= 13:
+					return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+				}
+				return nil
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
+				around(33 * s), around(43 * s), around(45 * s), around(47 * s), wide(50 * s), wide(52 * s), wide(54 * s),
+				wide(66 * s)},
+			tlsAt:  []window{around(23 * s), wide(56 * s)},
+			closes: 3,
 		},
 		{
 			name: "call TLS: at once",

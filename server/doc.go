@@ -156,6 +156,17 @@
 //     the server is stopping). TLS would cost a handshake for the same
 //     failure.
 //
+// When datagrams go unanswered the agent (agent package) sends them again
+// after a back-off while the server answered within two intervals, so
+// that a stalled server does not get every agent's handshake at once, and
+// then calls over TLS. A path that passes TCP but not UDP (a firewall, a
+// port mapping of the TLS port alone) shows as two grants in a row whose
+// datagrams all went unanswered while TLS got through: the agent then
+// ignores grants, keeping its TLS connection, for half an hour, doubling
+// to eight hours while it lasts, and logs why once. Such agents cost the
+// server a kept connection each; opening UDP, or Config.NoDatagrams,
+// settles it.
+//
 // As the server stops, its readers stop first (a read deadline, not a
 // close, so that the replies of the heartbeats in flight can still be
 // sent), then the batcher finishes or fails what it holds, answering each
