@@ -14,6 +14,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/net/ipv4"
+	"golang.org/x/net/ipv6"
 
 	"github.com/shepherd/shepherd/api/agent/pulse"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
@@ -100,20 +102,96 @@ func (s *Server) grant(machine uuid.UUID, key ed25519.PublicKey, floor int64) *a
 	return &agentv1.DatagramGrant{Key: k[:], Port: port, CounterFloor: uint64(max(floor, 0))}
 }
 
-// listenUDP opens the datagram socket on addr.
-func listenUDP(addr string) (*net.UDPConn, error) {
+// listenUDP opens the datagram socket on addr. A socket bound to every
+// address (0.0.0.0, or :: which takes IPv4 too) is asked for the address
+// each datagram was sent to, so that its reply comes from that address:
+// the kernel would pick the source by route, which on a host with several
+// addresses (a virtual IP, a secondary address) is not always the one the
+// agent sent to, and the agent's connected socket drops a reply from any
+// other address.
+func listenUDP(addr string) (*net.UDPConn, localDst, error) {
 	ua, err := net.ResolveUDPAddr("udp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("server: resolving datagram address %s: %w", addr, err)
+		return nil, dstBound, fmt.Errorf("server: resolving datagram address %s: %w", addr, err)
 	}
 	conn, err := net.ListenUDP("udp", ua)
 	if err != nil {
-		return nil, fmt.Errorf("server: listening for datagrams on %s: %w", addr, err)
+		return nil, dstBound, fmt.Errorf("server: listening for datagrams on %s: %w", addr, err)
 	}
 	// Best effort: a smaller buffer only drops bursts earlier, and agents
 	// resend.
 	_ = conn.SetReadBuffer(datagramReadBuffer)
-	return conn, nil
+	mode := dstBound
+	if ip := conn.LocalAddr().(*net.UDPAddr).IP; ip == nil || ip.IsUnspecified() {
+		if ip.To4() != nil {
+			mode, err = dstIPv4, ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true)
+		} else {
+			mode, err = dstIPv6, ipv6.NewPacketConn(conn).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
+		}
+		if err != nil {
+			_ = conn.Close()
+			return nil, dstBound, fmt.Errorf("server: asking for the destination of datagrams on %s: %w", addr, err)
+		}
+	}
+	return conn, mode, nil
+}
+
+// localDst says how the datagram socket learns which of the host's
+// addresses a datagram was sent to.
+type localDst int
+
+const (
+	dstBound localDst = iota // bound to one address, which every reply comes from
+	dstIPv4                  // bound to 0.0.0.0: IP_PKTINFO
+	dstIPv6                  // bound to ::: IPV6_PKTINFO, IPv4 as mapped addresses
+)
+
+// oobSize is room for the control message of either family.
+const oobSize = 64
+
+// parse returns the destination address and interface of a datagram from
+// its control message (an invalid address if there is none).
+func (m localDst) parse(oob []byte) (netip.Addr, int) {
+	switch m {
+	case dstIPv4:
+		var cm ipv4.ControlMessage
+		if cm.Parse(oob) == nil {
+			a, _ := netip.AddrFromSlice(cm.Dst.To4())
+			return a, cm.IfIndex
+		}
+	case dstIPv6:
+		var cm ipv6.ControlMessage
+		if cm.Parse(oob) == nil {
+			a, _ := netip.AddrFromSlice(cm.Dst)
+			return a, cm.IfIndex
+		}
+	}
+	return netip.Addr{}, 0
+}
+
+// source is the control message that sends a reply from local (an address
+// a datagram was sent to), or nil to let the kernel choose: for a socket
+// bound to one address, or a datagram sent to an address no reply can come
+// from (broadcast, multicast). An IPv4 address, mapped or not, goes as
+// IP_PKTINFO, which Linux takes on an IPv6 socket too for an IPv4
+// destination (and x/net's IPv6 control message leaves mapped addresses
+// out).
+func (m localDst) source(local netip.Addr, ifIndex int) []byte {
+	if m == dstBound || !local.IsValid() {
+		return nil
+	}
+	local = local.Unmap()
+	if local.IsMulticast() || local.IsUnspecified() || local == netip.AddrFrom4([4]byte{255, 255, 255, 255}) {
+		return nil
+	}
+	if local.Is4() {
+		return (&ipv4.ControlMessage{Src: local.AsSlice()}).Marshal()
+	}
+	cm := ipv6.ControlMessage{Src: local.AsSlice()}
+	if local.IsLinkLocalUnicast() {
+		cm.IfIndex = ifIndex // a link-local address is one interface's
+	}
+	return cm.Marshal()
 }
 
 // datagramServer receives heartbeat datagrams (package pulse), submits
@@ -124,6 +202,7 @@ func listenUDP(addr string) (*net.UDPConn, error) {
 type datagramServer struct {
 	s    *Server
 	conn *net.UDPConn // set by run, before any datagram is read
+	dst  localDst     // set by run, as conn
 	// port is the socket's UDP port, for grants; 0 until Listen.
 	port atomic.Uint32
 	pool sync.Pool
@@ -156,6 +235,8 @@ type datagramBeat struct {
 	counter  uint64
 	known    int64 // the request's KnownGeneration
 	from     netip.AddrPort
+	local    netip.Addr // the address from was sent to, if the socket is bound to every address
+	ifIndex  int        // the interface it came in on, with local
 	start    time.Time
 	out      [pulse.ReplySize]byte
 }
@@ -164,8 +245,8 @@ type datagramBeat struct {
 // deadline rather than by closing the socket, so that the heartbeats they
 // submitted can still be answered as their batches are written; Run closes
 // the socket once the batcher has stopped.
-func (d *datagramServer) run(ctx context.Context, conn *net.UDPConn) {
-	d.conn = conn
+func (d *datagramServer) run(ctx context.Context, conn *net.UDPConn, dst localDst) {
+	d.conn, d.dst = conn, dst
 	var wg sync.WaitGroup
 	for range datagramReaders {
 		wg.Go(func() { d.read(ctx) })
@@ -181,9 +262,9 @@ func (d *datagramServer) wait() { d.unbatched.Wait() }
 // read is one reader's loop. Its buffer is one byte longer than a request,
 // so a longer datagram shows as such (the kernel cuts it to the buffer).
 func (d *datagramServer) read(ctx context.Context) {
-	buf := make([]byte, pulse.RequestSize+1)
+	buf, oob := make([]byte, pulse.RequestSize+1), make([]byte, oobSize)
 	for {
-		n, from, err := d.conn.ReadFromUDPAddrPort(buf)
+		n, oobn, _, from, err := d.conn.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return
@@ -201,7 +282,8 @@ func (d *datagramServer) read(ctx context.Context) {
 			}
 			continue
 		}
-		d.handle(ctx, buf[:n], from)
+		local, ifIndex := d.dst.parse(oob[:oobn])
+		d.handle(ctx, buf[:n], from, local, ifIndex)
 	}
 }
 
@@ -209,7 +291,7 @@ func (d *datagramServer) read(ctx context.Context) {
 // is not an authentic request (wrong size or format, bad MAC) gets no
 // answer at all: an answer would tell a prober what it got right, and
 // could be sent to a forged source address.
-func (d *datagramServer) handle(ctx context.Context, b []byte, from netip.AddrPort) {
+func (d *datagramServer) handle(ctx context.Context, b []byte, from netip.AddrPort, local netip.Addr, ifIndex int) {
 	start := time.Now()
 	if len(b) != pulse.RequestSize {
 		reason := reasonInvalid
@@ -247,7 +329,7 @@ func (d *datagramServer) handle(ctx context.Context, b []byte, from netip.AddrPo
 	}
 	copy(p.agentKey[:], req.AgentKey)
 	p.hb = bmdb.Heartbeat{MachineID: req.MachineID, AgentKey: p.agentKey[:], Counter: int64(req.Counter)}
-	p.counter, p.known, p.from, p.start = req.Counter, req.KnownGeneration, from, start
+	p.counter, p.known, p.from, p.local, p.ifIndex, p.start = req.Counter, req.KnownGeneration, from, local, ifIndex, start
 	if d.s.cfg.Unbatched {
 		d.unbatched.Go(func() { d.writeAlone(ctx, p) })
 		return
@@ -323,7 +405,14 @@ func (p *datagramBeat) beatDone(r beatResult) {
 // returns p to the pool.
 func (d *datagramServer) reply(p *datagramBeat, st pulse.Status, next time.Duration, reason string) {
 	r := pulse.Reply{Counter: p.counter, Status: st, NextIn: next}
-	if _, err := d.conn.WriteToUDPAddrPort(r.Seal(p.out[:0], &p.key), p.from); err != nil {
+	msg := r.Seal(p.out[:0], &p.key)
+	var err error
+	if oob := d.dst.source(p.local, p.ifIndex); oob != nil {
+		_, _, err = d.conn.WriteMsgUDPAddrPort(msg, oob, p.from)
+	} else {
+		_, err = d.conn.WriteToUDPAddrPort(msg, p.from)
+	}
+	if err != nil {
 		d.s.throttle.Log(context.Background(), slog.LevelWarn, "datagram_write", "answering a heartbeat datagram",
 			"peer", p.from.String(), "err", err)
 	}

@@ -4,9 +4,12 @@ import (
 	"context"
 	"crypto/ed25519"
 	"net"
+	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
+	"golang.org/x/net/ipv4"
 
 	"github.com/shepherd/shepherd/api/agent/pulse"
 	"github.com/shepherd/shepherd/bmdb"
@@ -77,9 +80,70 @@ func BenchmarkDatagramPath(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		d.handle(ctx, buf[:n], from)
+		d.handle(ctx, buf[:n], from, netip.Addr{}, 0)
 	}
 	b.StopTimer()
 	cancel()
 	<-flushed
+}
+
+// TestReplySourceIPv4: on an IPv4-only socket bound to 0.0.0.0 (a host
+// without IPv6, where Go cannot open a dual-stack socket), the destination
+// of a datagram is read from IP_PKTINFO and a reply sent with source() comes
+// from it. The dual-stack socket Go opens elsewhere is tested end to end in
+// TestDatagramReplyComesFromTheAddressAsked.
+func TestReplySourceIPv4(t *testing.T) {
+	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4zero})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if err := ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true); err != nil {
+		t.Fatal(err)
+	}
+	client, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 2), Port: conn.LocalAddr().(*net.UDPAddr).Port})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	if _, err := client.Write([]byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	buf, oob := make([]byte, 64), make([]byte, oobSize)
+	_, oobn, _, from, err := conn.ReadMsgUDPAddrPort(buf, oob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	local, ifIndex := dstIPv4.parse(oob[:oobn])
+	if want := netip.MustParseAddr("127.0.0.2"); local != want {
+		t.Fatalf("destination %v, want %v", local, want)
+	}
+	if _, _, err := conn.WriteMsgUDPAddrPort([]byte("reply"), dstIPv4.source(local, ifIndex), from); err != nil {
+		t.Fatal(err)
+	}
+	// The client's socket is connected to 127.0.0.2: it drops a reply from
+	// any other address, and its read would time out.
+	if err := client.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	n, err := client.Read(buf)
+	if err != nil || string(buf[:n]) != "reply" {
+		t.Fatalf("read %q, %v; want the reply", buf[:n], err)
+	}
+	// A bound socket, or a destination no reply can come from, leaves the
+	// source to the kernel.
+	for _, c := range []struct {
+		m     localDst
+		local netip.Addr
+	}{
+		{dstBound, local},
+		{dstIPv4, netip.Addr{}},
+		{dstIPv4, netip.MustParseAddr("255.255.255.255")},
+		{dstIPv4, netip.MustParseAddr("224.0.0.1")},
+		{dstIPv6, netip.MustParseAddr("::ffff:255.255.255.255")},
+	} {
+		if oob := c.m.source(c.local, 1); oob != nil {
+			t.Errorf("source(%v) in mode %d = %x, want none", c.local, c.m, oob)
+		}
+	}
 }

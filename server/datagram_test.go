@@ -135,6 +135,37 @@ func TestDatagramAccepted(t *testing.T) {
 	waitCounts(t, e.reg, map[string]float64{"accepted": 3})
 }
 
+// TestDatagramReplyComesFromTheAddressAsked: a server whose datagram
+// socket is bound to every address answers from the address the agent sent
+// to, not the one the kernel's route would pick. The agent's socket is
+// connected, so it drops a reply from any other address; on loopback a
+// datagram sent to 127.0.0.2 would be answered from 127.0.0.1, as on a host
+// with a virtual or secondary address.
+func TestDatagramReplyComesFromTheAddressAsked(t *testing.T) {
+	t.Parallel()
+	for _, listen := range []string{"0.0.0.0:0", "[::]:0"} {
+		t.Run(listen, func(t *testing.T) {
+			t.Parallel()
+			e := start(t, server.Config{DatagramListen: listen})
+			id, key := e.machine()
+			g := e.grantOf(id, key)
+			k := keyOf(t, g)
+			conn, err := net.DialUDP("udp", nil, &net.UDPAddr{IP: net.ParseIP("127.0.0.2"), Port: int(g.GetPort())})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { conn.Close() })
+			a := &udpAgent{t: t, conn: conn}
+			for i := range uint64(3) {
+				counter := g.GetCounterFloor() + 1 + i
+				if r := a.roundTrip(id, key, counter, 0, k); r.Status != pulse.StatusRecorded {
+					t.Errorf("reply %+v, want recorded", r)
+				}
+			}
+		})
+	}
+}
+
 // The grant's key is DeriveKey(secret, machine, agent key) under the
 // BMDB's secret, and its floor is the machine's stored counter.
 func TestGrantKeyAndFloor(t *testing.T) {

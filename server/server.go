@@ -36,7 +36,8 @@ type Config struct {
 	// on (package pulse); default: Listen's host and port, over UDP (with
 	// port 0 each socket gets a port of its own). Agents learn the port
 	// from their TLS heartbeat's reply and send to the host of their
-	// server endpoint.
+	// server endpoint. A socket bound to every address (as with the
+	// default) answers each datagram from the address it was sent to.
 	DatagramListen string
 	// NoDatagrams opens no UDP socket and grants no agent datagrams, for
 	// networks that cannot pass UDP between agents and the server: every
@@ -170,6 +171,7 @@ type Server struct {
 	mu       sync.Mutex
 	listener net.Listener
 	udp      *net.UDPConn
+	udpDst   localDst // how udp learns the address each datagram was sent to
 }
 
 // New validates cfg, loads or creates the server's TLS certificate and
@@ -265,11 +267,11 @@ func (s *Server) Listen() (net.Addr, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.udp == nil && s.datagrams != nil {
-		udp, err := listenUDP(s.cfg.DatagramListen)
+		udp, dst, err := listenUDP(s.cfg.DatagramListen)
 		if err != nil {
 			return nil, err
 		}
-		s.udp = udp
+		s.udp, s.udpDst = udp, dst
 		s.datagrams.port.Store(uint32(udp.LocalAddr().(*net.UDPAddr).Port))
 	}
 	if s.listener == nil {
@@ -386,7 +388,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if s.datagrams != nil {
 		go func() {
 			defer close(readersDone)
-			s.datagrams.run(runCtx, s.udp)
+			s.datagrams.run(runCtx, s.udp, s.udpDst)
 		}()
 	} else {
 		close(readersDone)
