@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"errors"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -585,4 +586,49 @@ func TestDatagramRetired(t *testing.T) {
 			t.Errorf("%d TLS heartbeats and %d datagrams, want 2 and 1", n, m)
 		}
 	})
+}
+
+// TestTLSOnlyPeriodDoubles: each time UDP is taken for blocked again, the
+// agent stays on TLS twice as long as the time before, from tlsOnlyMin up to
+// tlsOnlyMax; an answered datagram starts it over, and a grant taken while
+// the period runs is ignored.
+func TestTLSOnlyPeriodDoubles(t *testing.T) {
+	t.Parallel()
+	p := newDatagramPeer(t, func(*datagramPeer, int, pulse.Request) [][]byte { return nil })
+	d := &daemon{init: &agentv1.TakeoverInit{MachineId: uuid.NewString(), ServerEndpoint: "callback.test:7443"},
+		log: slog.New(slog.DiscardHandler)}
+	var closes atomic.Int32
+	withDatagrams(t, p, &closes, "")(d)
+	g := p.grant(9, 5)
+	blocked := func() time.Duration {
+		t.Helper()
+		d.failedGrants, d.tlsOnlyUntil = udpBlockedAfter, time.Time{}
+		d.takeGrant(t.Context(), g, false)
+		if d.dg != nil {
+			t.Fatalf("a grant was taken when UDP was found blocked")
+		}
+		return d.tlsOnlyFor
+	}
+	var got []time.Duration
+	for range 6 {
+		got = append(got, blocked())
+	}
+	h := time.Hour
+	if want := []time.Duration{h / 2, h, 2 * h, 4 * h, 8 * h, 8 * h}; !slices.Equal(got, want) {
+		t.Errorf("TLS-only periods %v, want %v", got, want)
+	}
+	d.takeGrant(t.Context(), g, false) // within the period
+	if d.dg != nil {
+		t.Error("a grant was taken while the TLS-only period runs")
+	}
+	d.datagramAnswered()
+	if got := blocked(); got != tlsOnlyMin {
+		t.Errorf("TLS-only period after an answered datagram %v, want %v", got, tlsOnlyMin)
+	}
+	d.tlsOnlyUntil = time.Time{}
+	d.takeGrant(t.Context(), g, false)
+	if d.dg == nil {
+		t.Error("no grant taken once the TLS-only period is over")
+	}
+	d.dropGrant()
 }
