@@ -48,6 +48,9 @@ func around(d time.Duration) window {
 	return window{d - 200*time.Millisecond, d + 200*time.Millisecond}
 }
 
+// near is the window of d ± tolerance.
+func near(d, tolerance time.Duration) window { return window{d - tolerance, d + tolerance} }
+
 // wide is a time that follows two jittered back-offs of a second.
 func wide(d time.Duration) window {
 	return window{d - 400*time.Millisecond, d + 400*time.Millisecond}
@@ -244,6 +247,7 @@ func TestDatagramFallbacks(t *testing.T) {
 		// after it (from 1), if given, else answer(idle).
 		first    func(p *datagramPeer) *agentv1.HeartbeatResponse
 		tls      func(p *datagramPeer, n int) *agentv1.HeartbeatResponse
+		tlsErr   func(n int) error // if given and not nil for n, the n-th TLS heartbeat's answer
 		answer   func(p *datagramPeer, n int, req pulse.Request) [][]byte
 		tlsAt    []window // TLS heartbeats after the first
 		dgAt     []window
@@ -368,6 +372,37 @@ func TestDatagramFallbacks(t *testing.T) {
 				wide(66 * s)},
 			tlsAt:  []window{around(23 * s), wide(56 * s)},
 			closes: 3,
+		},
+		{
+			// Datagrams unanswered because the server is down, not
+			// blocked: the TLS call after each failed grant fails too
+			// before it gets through, and such grants do not count.
+			name: "the server down across two failed grants: datagrams go on",
+			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
+				if n < 12 {
+					return nil
+				}
+				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+			},
+			tlsErr: func(n int) error {
+				if n == 1 || n == 3 {
+					return connect.NewError(connect.CodeUnavailable, errors.New("connection refused"))
+				}
+				return nil
+			},
+			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
+				r := answer(10 * time.Second)
+				r.DatagramGrant = p.grant(9, 5)
+				return r
+			},
+			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
+				near(33250*time.Millisecond, 250*time.Millisecond), near(35250*time.Millisecond, 250*time.Millisecond),
+				near(37250*time.Millisecond, 250*time.Millisecond), near(40250*time.Millisecond, 450*time.Millisecond),
+				near(42250*time.Millisecond, 450*time.Millisecond), near(44250*time.Millisecond, 450*time.Millisecond),
+				near(56500*time.Millisecond, 500*time.Millisecond)},
+			tlsAt: []window{around(23 * s), near(23250*time.Millisecond, 250*time.Millisecond),
+				near(46250*time.Millisecond, 450*time.Millisecond), near(46500*time.Millisecond, 500*time.Millisecond)},
+			closes: 5,
 		},
 		{
 			name: "call TLS: at once",
@@ -515,6 +550,8 @@ func TestDatagramFallbacks(t *testing.T) {
 							r := answer(10 * time.Second)
 							r.DatagramGrant = p.grant(9, 5)
 							return r, nil
+						case c.tlsErr != nil && c.tlsErr(n) != nil:
+							return nil, c.tlsErr(n)
 						case c.tls != nil:
 							return c.tls(p, n), nil
 						}

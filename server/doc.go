@@ -161,7 +161,8 @@
 // that a stalled server does not get every agent's handshake at once, and
 // then calls over TLS. A path that passes TCP but not UDP (a firewall, a
 // port mapping of the TLS port alone) shows as two grants in a row whose
-// datagrams all went unanswered while TLS got through: the agent then
+// datagrams all went unanswered while the TLS call right after got through
+// at once (a server that is down fails that call too): the agent then
 // ignores grants, keeping its TLS connection, for half an hour, doubling
 // to eight hours while it lasts, and logs why once. Such agents cost the
 // server a kept connection each; opening UDP, or Config.NoDatagrams,
