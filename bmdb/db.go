@@ -107,6 +107,7 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 		// The parse error may quote the URL, password included.
 		return nil, errors.New("bmdb: parsing database URL: invalid connection string")
 	}
+	pcfg.AfterConnect = encodeUUIDsAsBytes
 	hbcfg := pcfg.Copy()
 	pcfg.MaxConns = cfg.MaxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)

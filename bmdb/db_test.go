@@ -257,3 +257,17 @@ func TestHistoryQueries(t *testing.T) {
 type failingWriter struct{}
 
 func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
+
+// TestOpenEncodesUUIDsAsBytes: both of Open's pools encode uuid.UUID
+// parameters as bytes (uuidencode.go), the heartbeat pool included.
+func TestOpenEncodesUUIDsAsBytes(t *testing.T) {
+	t.Parallel()
+	db := bmdbtest.New(t)
+	ok, err := db.EncodesUUIDsAsBytes(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ok {
+		t.Error("a pool's connections encode uuid.UUID through its database/sql string")
+	}
+}

@@ -7,8 +7,10 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/shepherd/shepherd/bmdb/model"
@@ -176,4 +178,22 @@ func (db *DB) HoldConnections(ctx context.Context) (release func(), err error) {
 		held = append(held, c)
 	}
 	return release, nil
+}
+
+// EncodesUUIDsAsBytes reports whether connections of both pools encode a
+// uuid.UUID parameter with the plan of encodeUUIDsAsBytes rather than
+// through its database/sql string.
+func (db *DB) EncodesUUIDsAsBytes(ctx context.Context) (bool, error) {
+	for _, pool := range []*pgxpool.Pool{db.pool, db.hbPool} {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			return false, err
+		}
+		plan := c.Conn().TypeMap().PlanEncode(pgtype.UUIDOID, pgtype.BinaryFormatCode, uuid.UUID{})
+		c.Release()
+		if _, ok := plan.(*uuidEncodePlan); !ok {
+			return false, nil
+		}
+	}
+	return true, nil
 }
