@@ -48,6 +48,25 @@ func around(d time.Duration) window {
 	return window{d - 200*time.Millisecond, d + 200*time.Millisecond}
 }
 
+// recordedFrom drops the first n datagrams and answers the others
+// "recorded", asking for the next heartbeat in idle.
+func recordedFrom(n int) func(p *datagramPeer, k int, req pulse.Request) [][]byte {
+	return func(p *datagramPeer, k int, req pulse.Request) [][]byte {
+		if k < n {
+			return nil
+		}
+		return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
+	}
+}
+
+// grantEvery10s answers a TLS heartbeat with a grant (floor 5) and asks
+// for the next heartbeat in 10 s.
+func grantEvery10s(p *datagramPeer, _ int) *agentv1.HeartbeatResponse {
+	r := answer(10 * time.Second)
+	r.DatagramGrant = p.grant(9, 5)
+	return r
+}
+
 // near is the window of d ± tolerance.
 func near(d, tolerance time.Duration) window { return window{d - tolerance, d + tolerance} }
 
@@ -273,13 +292,8 @@ func TestDatagramFallbacks(t *testing.T) {
 		{
 			// A server that stalls for less than two intervals costs no
 			// TLS connection: the fleet does not all handshake at once.
-			name: "unanswered, then answered: no TLS",
-			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
-				if n < 3 {
-					return nil
-				}
-				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
-			},
+			name:     "unanswered, then answered: no TLS",
+			answer:   recordedFrom(3),
 			dgAt:     []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s)},
 			counters: []uint64{6, 7, 8, 9},
 			closes:   1,
@@ -302,13 +316,8 @@ func TestDatagramFallbacks(t *testing.T) {
 			closes: 1,
 		},
 		{
-			name: "unanswered, then granted again: back to datagrams, counters go on",
-			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
-				if n < 6 {
-					return nil
-				}
-				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
-			},
+			name:   "unanswered, then granted again: back to datagrams, counters go on",
+			answer: recordedFrom(6),
 			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
 				r := answer(10 * time.Second)
 				r.DatagramGrant = p.grant(9, 6) // the server's floor is the last counter it took, not the last sent
@@ -325,13 +334,8 @@ func TestDatagramFallbacks(t *testing.T) {
 			// whose datagrams go unanswered while TLS gets through makes
 			// the agent ignore grants for half an hour (its TLS
 			// connection kept), then try datagrams again.
-			name: "UDP blocked: TLS only after two grants fail, datagrams again later",
-			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
-				if n < 12 {
-					return nil
-				}
-				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
-			},
+			name:   "UDP blocked: TLS only after two grants fail, datagrams again later",
+			answer: recordedFrom(12),
 			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
 				next := map[int]time.Duration{1: 10 * time.Second, 2: 10 * time.Minute, 3: 25 * time.Minute, 4: time.Minute}[n]
 				if next == 0 {
@@ -362,11 +366,7 @@ func TestDatagramFallbacks(t *testing.T) {
 				}
 				return nil
 			},
-			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
-				r := answer(10 * time.Second)
-				r.DatagramGrant = p.grant(9, 5)
-				return r
-			},
+			tls: grantEvery10s,
 			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
 				around(33 * s), around(43 * s), around(45 * s), around(47 * s), wide(50 * s), wide(52 * s), wide(54 * s),
 				wide(66 * s)},
@@ -377,24 +377,15 @@ func TestDatagramFallbacks(t *testing.T) {
 			// Datagrams unanswered because the server is down, not
 			// blocked: the TLS call after each failed grant fails too
 			// before it gets through, and such grants do not count.
-			name: "the server down across two failed grants: datagrams go on",
-			answer: func(p *datagramPeer, n int, req pulse.Request) [][]byte {
-				if n < 12 {
-					return nil
-				}
-				return [][]byte{p.reply(req, pulse.StatusRecorded, idle)}
-			},
+			name:   "the server down across two failed grants: datagrams go on",
+			answer: recordedFrom(12),
 			tlsErr: func(n int) error {
 				if n == 1 || n == 3 {
 					return connect.NewError(connect.CodeUnavailable, errors.New("connection refused"))
 				}
 				return nil
 			},
-			tls: func(p *datagramPeer, n int) *agentv1.HeartbeatResponse {
-				r := answer(10 * time.Second)
-				r.DatagramGrant = p.grant(9, 5)
-				return r
-			},
+			tls: grantEvery10s,
 			dgAt: []window{exactly(10 * s), exactly(12 * s), exactly(14 * s), around(17 * s), around(19 * s), around(21 * s),
 				near(33250*time.Millisecond, 250*time.Millisecond), near(35250*time.Millisecond, 250*time.Millisecond),
 				near(37250*time.Millisecond, 250*time.Millisecond), near(40250*time.Millisecond, 450*time.Millisecond),
