@@ -155,6 +155,10 @@ type DatagramClient struct{ dg *datagrams }
 // ErrNoDatagramReply is what Beat returns when no try got its reply.
 var ErrNoDatagramReply = errNoReply
 
+// DatagramTries is how many datagrams Beat sends for one heartbeat before
+// it gives up (and the daemon calls over TLS).
+const DatagramTries = datagramTries
+
 // NewDatagramClient checks grant g and connects, with dial (nil: a UDP
 // socket), to the port it names on the host of endpoint.
 func NewDatagramClient(ctx context.Context, dial func(ctx context.Context, addr string) (net.Conn, error), endpoint string,

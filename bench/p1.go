@@ -565,7 +565,7 @@ func loadgenMain(args []string) int {
 				rep, err := pulses[i].beat(runCtx)
 				switch {
 				case runCtx.Err() != nil:
-				case errors.Is(err, errNoReply):
+				case errors.Is(err, agent.ErrNoDatagramReply):
 					// The real agent would now call over TLS; here it
 					// is counted, and the agent goes on.
 					noReply.Add(1)

@@ -417,7 +417,7 @@ func p5LoadgenMain(args []string) int {
 				rep, err := a.pulse.beat(ctx)
 				switch {
 				case ctx.Err() != nil:
-				case errors.Is(err, errNoReply) && time.Since(a.answeredAt) < 2*(*interval):
+				case errors.Is(err, agent.ErrNoDatagramReply) && time.Since(a.answeredAt) < 2*(*interval):
 					// As the agent daemon does: the server answered
 					// within two intervals, so the datagram goes again
 					// after a back-off (1 s doubling up to the interval,
@@ -425,7 +425,7 @@ func p5LoadgenMain(args []string) int {
 					noReply.Add(1)
 					a.dgBackoff = min(max(2*a.dgBackoff, time.Second), *interval)
 					next = time.Now().Add(time.Duration(float64(a.dgBackoff) * (0.8 + 0.4*rand.Float64())))
-				case errors.Is(err, errNoReply):
+				case errors.Is(err, agent.ErrNoDatagramReply):
 					noReply.Add(1)
 					a.dropGrant()
 					next = time.Now()

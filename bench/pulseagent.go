@@ -15,13 +15,6 @@ import (
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 )
 
-// pulseTries is how many datagrams the agent sends per heartbeat before it
-// gives up (and calls over TLS); agent.DatagramClient sends them.
-const pulseTries = 3
-
-// errNoReply means no valid reply came to any of a heartbeat's datagrams.
-var errNoReply = agent.ErrNoDatagramReply
-
 // pulseAgent is the datagram side of one simulated agent, as the agent
 // daemon has it once a TLS heartbeat granted it a key: the agent's own
 // datagram client (its UDP socket, from the load generator's source
@@ -56,7 +49,7 @@ func newPulseAgent(machine uuid.UUID, agentKey ed25519.PublicKey, grant *agentv1
 func (a *pulseAgent) close() { a.client.Close() }
 
 // beat sends one heartbeat and waits for its reply, as the agent does
-// (agent.DatagramClient): errNoReply if none came, ctx's error if ctx
+// (agent.DatagramClient): agent.ErrNoDatagramReply if none came, ctx's error if ctx
 // ended. Every try after the first counts as a resend.
 func (a *pulseAgent) beat(ctx context.Context) (pulse.Reply, error) {
 	before := a.counter

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/shepherd/shepherd/agent"
 	"github.com/shepherd/shepherd/api/agent/pulse"
 	agentv1 "github.com/shepherd/shepherd/api/agent/v1"
 )
@@ -72,7 +73,7 @@ func TestPulseAgentBeatsAgainstEcho(t *testing.T) {
 }
 
 // A datagram under another key gets no answer from the transport-only
-// server, as from the callback server: the agent tries pulseTries times and
+// server, as from the callback server: the agent tries agent.DatagramTries times and
 // gives up.
 func TestPulseAgentWrongKeyGetsNoReply(t *testing.T) {
 	t.Parallel()
@@ -82,14 +83,14 @@ func TestPulseAgentWrongKeyGetsNoReply(t *testing.T) {
 	wrong := pulse.DeriveKey([]byte("another secret, another server."), machine, agentKey(0).Public().(ed25519.PublicKey))
 	a := testAgent(t, machine, wrong, echo.port(), 0)
 	a.client.SetWait(20 * time.Millisecond)
-	if _, err := a.beat(t.Context()); !errors.Is(err, errNoReply) {
-		t.Fatalf("beat: %v, want errNoReply", err)
+	if _, err := a.beat(t.Context()); !errors.Is(err, agent.ErrNoDatagramReply) {
+		t.Fatalf("beat: %v, want agent.ErrNoDatagramReply", err)
 	}
-	if got := a.resends.Load(); got != pulseTries-1 {
-		t.Fatalf("resends = %d, want %d", got, pulseTries-1)
+	if got := a.resends.Load(); got != agent.DatagramTries-1 {
+		t.Fatalf("resends = %d, want %d", got, agent.DatagramTries-1)
 	}
-	if got := echo.rejected.Load(); got != pulseTries {
-		t.Fatalf("echo rejected %d datagrams, want %d", got, pulseTries)
+	if got := echo.rejected.Load(); got != agent.DatagramTries {
+		t.Fatalf("echo rejected %d datagrams, want %d", got, agent.DatagramTries)
 	}
 	if got := echo.answered.Load(); got != 0 {
 		t.Fatalf("echo answered %d datagrams, want 0", got)
