@@ -5,7 +5,6 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"os"
@@ -203,29 +202,13 @@ func TestDatagramsBlackHoled(t *testing.T) {
 	}()
 	id := bmdbtest.AddMachine(t, f.db, f.s, "p")
 	startAgent(t, f, id)
-	heartbeats := func(n int) {
-		t.Helper()
-		last, err := f.db.GetAgentHeartbeat(t.Context(), id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		seen := 0
-		bmdbtest.WaitFor(t, 2*time.Minute, fmt.Sprintf("%d more heartbeats", n), func(ctx context.Context) (bool, error) {
-			at, err := f.db.GetAgentHeartbeat(ctx, id)
-			if err == nil && at.After(last) {
-				last = at
-				seen++
-			}
-			return seen >= n, err
-		})
-	}
 	// Each failed grant costs three tries of 2 s before its TLS call.
 	bmdbtest.WaitFor(t, 2*time.Minute, "two grants' datagrams black-holed", func(context.Context) (bool, error) {
 		return dropped.Load() >= 2*3, nil // three tries a grant
 	})
-	heartbeats(2) // the fallback of the second grant, and one on TLS only
+	waitHeartbeats(t, f, id, 2) // the fallback of the second grant, and one on TLS only
 	sent, conns := dropped.Load(), c.total.Load()
-	heartbeats(5)
+	waitHeartbeats(t, f, id, 5)
 	if n := dropped.Load(); n != sent {
 		t.Errorf("%d datagrams sent after UDP was taken for blocked, want none", n-sent)
 	}
