@@ -121,19 +121,27 @@ func listenUDP(addr string) (*net.UDPConn, localDst, error) {
 	// Best effort: a smaller buffer only drops bursts earlier, and agents
 	// resend.
 	_ = conn.SetReadBuffer(datagramReadBuffer)
-	mode := dstBound
-	if ip := conn.LocalAddr().(*net.UDPAddr).IP; ip == nil || ip.IsUnspecified() {
-		if ip.To4() != nil {
-			mode, err = dstIPv4, ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true)
-		} else {
-			mode, err = dstIPv6, ipv6.NewPacketConn(conn).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
-		}
-		if err != nil {
-			_ = conn.Close()
-			return nil, dstBound, fmt.Errorf("server: asking for the destination of datagrams on %s: %w", addr, err)
-		}
+	mode, err := askForDestination(conn)
+	if err != nil {
+		_ = conn.Close()
+		return nil, dstBound, fmt.Errorf("server: asking for the destination of datagrams on %s: %w", addr, err)
 	}
 	return conn, mode, nil
+}
+
+// askForDestination has a socket bound to every address deliver each
+// datagram's destination address with it, and says how to read it; a
+// socket bound to one address is left as it is (dstBound).
+func askForDestination(conn *net.UDPConn) (localDst, error) {
+	ip := conn.LocalAddr().(*net.UDPAddr).IP
+	switch {
+	case ip != nil && !ip.IsUnspecified():
+		return dstBound, nil
+	case ip.To4() != nil:
+		return dstIPv4, ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true)
+	default:
+		return dstIPv6, ipv6.NewPacketConn(conn).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
+	}
 }
 
 // localDst says how the datagram socket learns which of the host's

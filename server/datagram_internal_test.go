@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"golang.org/x/net/ipv4"
 
 	"github.com/shepherd/shepherd/api/agent/pulse"
 	"github.com/shepherd/shepherd/bmdb"
@@ -98,8 +97,8 @@ func TestReplySourceIPv4(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	if err := ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true); err != nil {
-		t.Fatal(err)
+	if mode, err := askForDestination(conn); err != nil || mode != dstIPv4 {
+		t.Fatalf("askForDestination on an IPv4 socket bound to 0.0.0.0: mode %d, %v; want dstIPv4", mode, err)
 	}
 	client, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 2), Port: conn.LocalAddr().(*net.UDPAddr).Port})
 	if err != nil {
