@@ -208,14 +208,12 @@ type daemon struct {
 	dgBackoff  time.Duration
 	// failedGrants counts the grants in a row whose datagrams went
 	// unanswered until the agent called over TLS, which got through at
-	// once (fellBack marks that call). At udpBlockedAfter of them UDP to
-	// the server is taken for blocked, and grants are ignored until
-	// tlsOnlyUntil, for tlsOnlyFor (doubling, from tlsOnlyMin to
-	// tlsOnlyMax); an answered datagram resets both. A fallback call that
-	// fails does not count: the server is down, which explains the
-	// datagrams.
+	// once. At udpBlockedAfter of them UDP to the server is taken for
+	// blocked, and grants are ignored until tlsOnlyUntil, for tlsOnlyFor
+	// (doubling, from tlsOnlyMin to tlsOnlyMax); an answered datagram
+	// resets both. A fallback call that fails does not count: the server
+	// is down, which explains the datagrams.
 	failedGrants int
-	fellBack     bool
 	tlsOnlyUntil time.Time
 	tlsOnlyFor   time.Duration
 }
@@ -359,6 +357,9 @@ func (d *daemon) run(ctx context.Context) error {
 			d.finished(ctx, r)
 		case <-timer.C:
 		}
+		// fellBack: this heartbeat's datagrams went unanswered and it is
+		// sent over TLS instead.
+		fellBack := false
 		if d.dg != nil && hw == nil && d.report == nil {
 			r, err := d.dg.beat(ctx, &d.counter, d.handled)
 			switch {
@@ -380,7 +381,7 @@ func (d *daemon) run(ctx context.Context) error {
 				timer.Reset(wait)
 				continue
 			case err != nil:
-				d.fellBack = true
+				fellBack = true
 				d.log.WarnContext(ctx, "heartbeat datagrams unanswered, calling over TLS", "err", err)
 			case r.Status == pulse.StatusRecorded:
 				backoff, accepted = 0, true
@@ -414,12 +415,11 @@ func (d *daemon) run(ctx context.Context) error {
 		cancel()
 		if err == nil {
 			d.answered(resp.Msg.GetNextHeartbeatIn().AsDuration())
-			if d.fellBack {
+			if fellBack {
 				d.failedGrants++ // TLS got through where UDP did not
 			}
 			d.takeGrant(ctx, resp.Msg.GetDatagramGrant(), hadGrant)
 		}
-		d.fellBack = false
 		if (hadGrant || d.dg != nil) && d.closeIdle != nil {
 			// The next heartbeat goes as a datagram: the server need not
 			// hold this agent's connection in between. Without a grant
