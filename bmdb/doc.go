@@ -37,7 +37,10 @@
 //
 // [Session.Work] claims one machine for a [Process]: in a single statement
 // it picks the free candidate that has waited longest, locks it, records
-// the claim and writes history Started. It returns [ErrNothingToDo] when no
+// the claim and writes history Started. (An agent-start claim counts the
+// wait from the machine's last claim: a machine given back unfinished
+// waits behind those never tried, and the machines in flight are not read
+// by every next claim.) It returns [ErrNothingToDo] when no
 // candidate is free and [ErrWorkConflict] when it kept losing races for
 // them. The machine-exclusive processes (all but ProviderUpdate) act on the
 // machine itself, and the database lets at most one of them hold a machine.

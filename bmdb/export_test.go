@@ -113,6 +113,13 @@ func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (st
 	if _, err := model.New(&capt).HeartbeatRecord(ctx, p); !errors.Is(err, errCaptured) {
 		return "", fmt.Errorf("capturing the statement: %v", err)
 	}
+	return db.autoExplain(ctx, capt, "name: HeartbeatRecord", "force_generic_plan")
+}
+
+// autoExplain runs the captured statement in a transaction it rolls back,
+// with the plan cache mode given, and returns the plan auto_explain reports
+// for it (with ANALYZE and BUFFERS): the notice that contains name.
+func (db *DB) autoExplain(ctx context.Context, capt capturedQuery, name, planCacheMode string) (string, error) {
 	cfg := db.pool.Config().ConnConfig.Copy()
 	var mu sync.Mutex
 	var notices []string
@@ -128,7 +135,7 @@ func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (st
 	defer conn.Close(context.WithoutCancel(ctx))
 	for _, set := range []string{
 		"LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0", "SET auto_explain.log_analyze = on",
-		"SET auto_explain.log_buffers = on", "SET client_min_messages = log", "SET plan_cache_mode = force_generic_plan",
+		"SET auto_explain.log_buffers = on", "SET client_min_messages = log", "SET plan_cache_mode = " + planCacheMode,
 	} {
 		if _, err := conn.Exec(ctx, set); err != nil {
 			return "", fmt.Errorf("%s: %w", set, err)
@@ -153,7 +160,7 @@ func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (st
 	mu.Lock()
 	defer mu.Unlock()
 	for _, n := range notices {
-		if strings.Contains(n, "name: HeartbeatRecord") {
+		if strings.Contains(n, name) {
 			return n, nil
 		}
 	}
@@ -196,4 +203,24 @@ func (db *DB) EncodesUUIDsAsBytes(ctx context.Context) (bool, error) {
 		}
 	}
 	return true, nil
+}
+
+// ExplainAnalyzeClaim runs the claim Work would send for process and c
+// under session s, in a transaction it rolls back, and returns the plan
+// auto_explain reports for it (with ANALYZE and BUFFERS): the claim for a
+// live session, which ExplainAnalyzeCandidates (which claims for no
+// session) does not run whole. generic asks for the generic plan, which a
+// busy worker's prepared statement may settle on; else the plan is made for
+// the values.
+func (db *DB) ExplainAnalyzeClaim(ctx context.Context, s *Session, process Process, c Candidates, generic bool) (string, error) {
+	var capt capturedQuery
+	params := claimParams{process: process, session: s.id, scan: int32(s.cfg.ScanLimit), strategy: s.cfg.ClaimStrategy}
+	if _, err := c.claim(ctx, model.New(&capt), params); !errors.Is(err, errCaptured) {
+		return "", fmt.Errorf("capturing the claim: %v", err)
+	}
+	mode := "force_custom_plan"
+	if generic {
+		mode = "force_generic_plan"
+	}
+	return db.autoExplain(ctx, capt, "name: Claim", mode)
 }

@@ -17,12 +17,12 @@ const agentStartMatches = `-- name: AgentStartMatches :one
 SELECT EXISTS (
     SELECT 1
     FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
     ) c
     WHERE c.machine_id = $2::uuid
 )::boolean AS matches
@@ -52,12 +52,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -84,7 +84,8 @@ WITH candidate AS (
 ),
 revised AS (
     UPDATE machine_provided p
-    SET revision = p.revision + 1
+    SET revision = p.revision + 1,
+        agent_start_claimed_at = now()
     FROM candidate c
     WHERE p.machine_id = c.machine_id
     RETURNING p.machine_id
@@ -203,12 +204,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -233,7 +234,8 @@ WITH candidate AS (
 ),
 revised AS (
     UPDATE machine_provided p
-    SET revision = p.revision + 1
+    SET revision = p.revision + 1,
+        agent_start_claimed_at = now()
     FROM candidate c
     WHERE p.machine_id = c.machine_id
     RETURNING p.machine_id
@@ -983,12 +985,12 @@ func (q *Queries) ClaimRecoveryCandidatePlain(ctx context.Context, arg ClaimReco
 const countAgentStartCandidates = `-- name: CountAgentStartCandidates :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1018,7 +1020,7 @@ func (q *Queries) CountAgentStartCandidates(ctx context.Context, arg CountAgentS
 const countAgentStartMatching = `-- name: CountAgentStartMatching :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
@@ -1255,12 +1257,12 @@ const listAgentStartCandidates = `-- name: ListAgentStartCandidates :many
 
 SELECT c.machine_id
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = $1
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -1293,11 +1295,15 @@ type ListAgentStartCandidatesParams struct {
 //
 // since is when the machine became a candidate: the start of its phase, or
 // the end of its AgentStart backoff if that is later (a quarantine holds
-// until 'infinity'; migration 00014). The partial index
+// until 'infinity'; migration 00014), or its last claim if that is later
+// still (migration 00026). The partial index
 // machine_provided_awaiting_agent is keyed by it, so the range up to now()
 // holds exactly the machines not held, in order, and a claim never reads a
 // machine that waits in backoff. The holds are the backoff, so the shared
-// backoff exclusion is left out:
+// backoff exclusion is left out (holds-exclude-backoff). A claim records
+// its time (claim-sets), which moves its machine behind every machine that
+// waited longer: the next claims do not read the machines in flight at the
+// head of the range.
 func (q *Queries) ListAgentStartCandidates(ctx context.Context, arg ListAgentStartCandidatesParams) ([]uuid.UUID, error) {
 	rows, err := q.db.Query(ctx, listAgentStartCandidates,
 		arg.Provider,

@@ -117,6 +117,7 @@ type MachineProvided struct {
 	Revision            int64
 	AgentStartHeldUntil *time.Time
 	RecoveryHeldUntil   *time.Time
+	AgentStartClaimedAt *time.Time
 }
 
 type MachineSshHostKey struct {

@@ -10,19 +10,23 @@
 --
 -- since is when the machine became a candidate: the start of its phase, or
 -- the end of its AgentStart backoff if that is later (a quarantine holds
--- until 'infinity'; migration 00014). The partial index
+-- until 'infinity'; migration 00014), or its last claim if that is later
+-- still (migration 00026). The partial index
 -- machine_provided_awaiting_agent is keyed by it, so the range up to now()
 -- holds exactly the machines not held, in order, and a claim never reads a
 -- machine that waits in backoff. The holds are the backoff, so the shared
--- backoff exclusion is left out:
+-- backoff exclusion is left out (holds-exclude-backoff). A claim records
+-- its time (claim-sets), which moves its machine behind every machine that
+-- waited longer: the next claims do not read the machines in flight at the
+-- head of the range.
 SELECT c.machine_id
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -40,12 +44,12 @@ LIMIT @row_limit::integer;
 -- name: CountAgentStartCandidates :one
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
 ) c
 WHERE NOT EXISTS (
         SELECT 1
@@ -65,7 +69,7 @@ WHERE NOT EXISTS (
 -- how many it could work on).
 SELECT count(*)
 FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
@@ -80,12 +84,12 @@ FROM (
 SELECT EXISTS (
     SELECT 1
     FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
     ) c
     WHERE c.machine_id = @machine_id::uuid
 )::boolean AS matches;
@@ -115,12 +119,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -147,7 +151,8 @@ WITH candidate AS (
 ),
 revised AS (
     UPDATE machine_provided p
-    SET revision = p.revision + 1
+    SET revision = p.revision + 1,
+        agent_start_claimed_at = now()
     FROM candidate c
     WHERE p.machine_id = c.machine_id
     RETURNING p.machine_id
@@ -202,12 +207,12 @@ WITH candidate AS (
     FROM (
         SELECT c.machine_id, c.since, seen.revision
         FROM (
-        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until) AS since
+        SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
         WHERE p.provider = @provider
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
-          AND GREATEST(p.agent_phase_since, p.agent_start_held_until) <= now()
+          AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
         WHERE NOT EXISTS (
@@ -232,7 +237,8 @@ WITH candidate AS (
 ),
 revised AS (
     UPDATE machine_provided p
-    SET revision = p.revision + 1
+    SET revision = p.revision + 1,
+        agent_start_claimed_at = now()
     FROM candidate c
     WHERE p.machine_id = c.machine_id
     RETURNING p.machine_id

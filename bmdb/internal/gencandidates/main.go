@@ -47,6 +47,9 @@ type definition struct {
 	// bmdb/candidates/<name>.cause if there is one (the recoverer's names
 	// the silence it recovers), else ''.
 	StartedCause string
+	// Claim is the claim's steps after the candidate is locked, with the
+	// definition's claimSetsDirective assignments.
+	Claim string
 }
 
 // decommissionDirective, on a line of its own in a definition's leading
@@ -108,6 +111,14 @@ const backoffExclusion = `
 // out: it would only repeat the test, and as an anti-join against every
 // backoff of the fleet it costs as much as there are backoffs.
 const heldDirective = "-- +gencandidates:holds-exclude-backoff"
+
+// claimSetsDirective, followed by column assignments ("col = expr, ..."),
+// on a line of its own in a definition's leading comment, adds those
+// assignments to the update of the claimed machine's machine_provided row
+// that every claim makes (it moves the revision). A definition whose
+// since depends on them can so move a claimed machine within its index
+// range (agent start moves it to the end: migration 00026).
+const claimSetsDirective = "-- +gencandidates:claim-sets "
 
 // decommissionExclusion is added to exclusions for every definition but the
 // decommissioner's own: a machine being decommissioned is not worked on by
@@ -196,7 +207,7 @@ WITH candidate AS (
     LIMIT 1
     FOR UPDATE OF p SKIP LOCKED
 ),
-{{$.Claim}}
+{{.Claim}}
 -- name: Claim{{.Name}}CandidatePlain :one
 -- Claim{{.Name}}CandidatePlain is the baseline the benchmark compares
 -- Claim{{.Name}}Candidate against: the oldest candidate, locked with a plain
@@ -219,7 +230,7 @@ WITH candidate AS (
     WHERE EXISTS ({{$.LiveSession}})
     FOR UPDATE OF p
 ),
-{{$.Claim}}
+{{.Claim}}
 {{- end}}
 -- name: WorkHold :one
 -- WorkHold claims one named machine for a machine-exclusive process under
@@ -265,7 +276,7 @@ CROSS JOIN (` + expiredCounts + `) x;
 // Started row.
 const claimSteps = `revised AS (
     UPDATE machine_provided p
-    SET revision = p.revision + 1
+    SET revision = p.revision + 1{{claim_sets}}
     FROM candidate c
     WHERE p.machine_id = c.machine_id
     RETURNING p.machine_id
@@ -303,6 +314,19 @@ started AS (
 
 // startedCause marks where claimSteps takes the Started row's cause.
 const startedCause = "{{started_cause}}"
+
+// claimSets marks where claimSteps takes a definition's
+// claimSetsDirective assignments.
+const claimSets = "{{claim_sets}}"
+
+// steps is claimSteps with the Started row's cause and the assignments of
+// claimSetsDirective (sets, "" for none).
+func steps(cause, sets string) string {
+	if sets != "" {
+		sets = ",\n        " + sets
+	}
+	return strings.Replace(strings.Replace(claimSteps, startedCause, cause, 1), claimSets, sets, 1)
+}
 
 // claimResult is the end of every candidate claim query: the candidate, and
 // the machine claimed if the insert won.
@@ -349,14 +373,12 @@ func run(in, out string) error {
 		defs = append(defs, d)
 	}
 	var buf bytes.Buffer
-	steps := func(cause string) string { return strings.Replace(claimSteps, startedCause, cause, 1) }
 	err = queries.Execute(&buf, struct {
 		Defs        []definition
-		Claim       string
 		Conflict    string
 		HoldSteps   string
 		LiveSession string
-	}{defs, steps("(SELECT c.started_cause FROM candidate c)") + "\n" + claimResult, liveConflictingWork, steps("@cause::text"), liveSession})
+	}{defs, liveConflictingWork, steps("@cause::text", ""), liveSession})
 	if err != nil {
 		return err
 	}
@@ -370,6 +392,7 @@ func parse(path string) (definition, error) {
 	}
 	var doc, body, matching []string
 	decommission, held := false, false
+	sets := ""
 	for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
 		if len(body) == 0 && strings.TrimSpace(line) == decommissionDirective {
 			decommission = true
@@ -377,6 +400,12 @@ func parse(path string) (definition, error) {
 		}
 		if len(body) == 0 && strings.TrimSpace(line) == heldDirective {
 			held = true
+			continue
+		}
+		if a, ok := strings.CutPrefix(strings.TrimSpace(line), claimSetsDirective); ok && len(body) == 0 {
+			if sets = strings.TrimSpace(a); sets == "" {
+				return definition{}, fmt.Errorf("%s: %s names no assignment", path, strings.TrimSpace(claimSetsDirective))
+			}
 			continue
 		}
 		if len(body) == 0 && strings.HasPrefix(line, "--") {
@@ -424,5 +453,6 @@ func parse(path string) (definition, error) {
 		name.WriteString(strings.ToUpper(part[:1]) + part[1:])
 	}
 	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"),
-		Matching: strings.Join(matching, "\n"), Exclusions: excl, StartedCause: cause}, nil
+		Matching: strings.Join(matching, "\n"), Exclusions: excl, StartedCause: cause,
+		Claim: steps("(SELECT c.started_cause FROM candidate c)", sets) + "\n" + claimResult}, nil
 }
