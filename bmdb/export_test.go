@@ -224,3 +224,64 @@ func (db *DB) ExplainAnalyzeClaim(ctx context.Context, s *Session, process Proce
 	}
 	return db.autoExplain(ctx, capt, "name: Claim", mode)
 }
+
+// ExplainAnalyzeMatches runs the statement c's Matches check sends for
+// machine with EXPLAIN (ANALYZE, BUFFERS), as a prepared statement with
+// the generic plan if generic, else with a plan for the values, and returns
+// the plan.
+func (db *DB) ExplainAnalyzeMatches(ctx context.Context, c Candidates, machine uuid.UUID, generic bool) (string, error) {
+	var capt capturedQuery
+	if _, err := c.matches(ctx, model.New(&capt), machine); !errors.Is(err, errCaptured) {
+		return "", fmt.Errorf("capturing the statement: %v", err)
+	}
+	// A connection of its own: the prepared statement dies with it.
+	conn, err := pgx.ConnectConfig(ctx, db.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	mode := "force_custom_plan"
+	if generic {
+		mode = "force_generic_plan"
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// EXPLAIN EXECUTE takes its parameters as literals.
+	var lits []string
+	for _, a := range capt.args {
+		switch v := a.(type) {
+		case string:
+			lits = append(lits, "'"+strings.ReplaceAll(v, "'", "''")+"'")
+		case uuid.UUID:
+			lits = append(lits, "'"+v.String()+"'")
+		default:
+			lits = append(lits, fmt.Sprint(v))
+		}
+	}
+	for _, sql := range []string{"SET LOCAL plan_cache_mode = " + mode, "PREPARE explained_matches AS " + capt.sql} {
+		if _, err := tx.Exec(ctx, sql); err != nil {
+			return "", err
+		}
+	}
+	// The second run's plan: the first one's buffers include what the
+	// connection reads once (the catalog, to compile PL/pgSQL functions).
+	var lines []string
+	for range 2 {
+		rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS) EXECUTE explained_matches("+strings.Join(lits, ", ")+")", pgx.QueryExecModeSimpleProtocol)
+		if err != nil {
+			return "", err
+		}
+		if lines, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+			return "", err
+		}
+	}
+	return strings.Join(lines, "\n"), nil
+}
+
+// Matches reports whether c's definition selects machine by its tags.
+func (db *DB) Matches(ctx context.Context, c Candidates, machine uuid.UUID) (bool, error) {
+	return c.matches(ctx, db.q, machine)
+}

@@ -20,7 +20,7 @@
 -- +gencandidates:claim-sets agent_start_claimed_at = now()
 SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
 FROM machine_provided p
-WHERE p.provider = @provider
+WHERE p.provider = @provider::text
   AND p.agent_phase = 'AwaitingAgent'
   AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
   AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now() -- +gencandidates:not-in-matching

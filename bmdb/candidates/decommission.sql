@@ -18,5 +18,5 @@
 SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
 FROM machine_decommission_request d
 JOIN machine_provided p ON p.machine_id = d.machine_id
-WHERE p.provider = @provider
+WHERE p.provider = @provider::text
   AND GREATEST(d.requested_at, d.held_until) <= now() -- +gencandidates:not-in-matching

@@ -44,7 +44,7 @@
 SELECT p.machine_id, p.agent_phase_since AS since
 FROM machine_provided p
 JOIN machine_agent_started s ON s.machine_id = p.machine_id
-WHERE p.provider = @provider
+WHERE p.provider = @provider::text
   AND p.agent_phase = 'AwaitingFirstHeartbeat'
   AND p.recovery_held_until IS NULL
   AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -56,13 +56,13 @@ SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS sinc
 FROM machine_agent_heartbeat h
 JOIN machine_provided p ON p.machine_id = h.machine_id
 WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-  AND p.provider = @provider
+  AND p.provider = @provider::text
   AND p.provider_status NOT IN ('Missing', 'Stopped')
   AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
 UNION ALL
 SELECT p.machine_id, p.recovery_held_until AS since
 FROM machine_provided p
-WHERE p.provider = @provider
+WHERE p.provider = @provider::text
   AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
   AND p.recovery_held_until IS NOT NULL
   AND p.provider_status NOT IN ('Missing', 'Stopped')

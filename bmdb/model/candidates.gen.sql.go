@@ -14,12 +14,15 @@ import (
 )
 
 const agentStartMatches = `-- name: AgentStartMatches :one
+WITH checked_machine AS MATERIALIZED (
+    SELECT machine_id, provider, provider_id, provider_reservation_id, provider_ip_address, provider_location, provider_status, provider_status_at, agent_phase, agent_phase_since, revision, agent_start_held_until, recovery_held_until, agent_start_claimed_at FROM machine_provided WHERE machine_id = $2::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
-        FROM machine_provided p
-        WHERE p.provider = $1
+        FROM checked_machine p
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -36,7 +39,10 @@ type AgentStartMatchesParams struct {
 // AgentStartMatches reports whether the definition selects one machine by
 // its tags alone: a worker that holds the machine asks it, in the
 // transaction that admits a side effect, to verify that the machine is
-// still what it was claimed for (a heartbeat does not end a claim).
+// still what it was claimed for (a heartbeat does not end a claim). It
+// reads the machine's row by its primary key first (checked_machine), so
+// that no planner estimate can turn the check into a scan of the
+// candidates.
 func (q *Queries) AgentStartMatches(ctx context.Context, arg AgentStartMatchesParams) (bool, error) {
 	row := q.db.QueryRow(ctx, agentStartMatches, arg.Provider, arg.MachineID)
 	var matches bool
@@ -54,7 +60,7 @@ WITH candidate AS (
         FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -206,7 +212,7 @@ WITH candidate AS (
         FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -341,7 +347,7 @@ WITH candidate AS (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -489,7 +495,7 @@ WITH candidate AS (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -630,7 +636,7 @@ WITH candidate AS (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $3
+        WHERE p.provider = $3::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -642,13 +648,13 @@ WITH candidate AS (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $1::bigint
-          AND p.provider = $3
+          AND p.provider = $3::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $3
+        WHERE p.provider = $3::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -826,7 +832,7 @@ WITH candidate AS (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $3
+        WHERE p.provider = $3::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -838,13 +844,13 @@ WITH candidate AS (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $1::bigint
-          AND p.provider = $3
+          AND p.provider = $3::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($1::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $3
+        WHERE p.provider = $3::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -987,7 +993,7 @@ SELECT count(*)
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -1022,7 +1028,7 @@ SELECT count(*)
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c
@@ -1045,7 +1051,7 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
@@ -1077,7 +1083,7 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
 ) c
 `
 
@@ -1098,7 +1104,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1110,13 +1116,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+          AND p.provider = $1::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1171,7 +1177,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1183,13 +1189,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+          AND p.provider = $1::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1224,13 +1230,16 @@ func (q *Queries) CountRecoveryMatching(ctx context.Context, arg CountRecoveryMa
 }
 
 const decommissionMatches = `-- name: DecommissionMatches :one
+WITH checked_machine AS MATERIALIZED (
+    SELECT machine_id, provider, provider_id, provider_reservation_id, provider_ip_address, provider_location, provider_status, provider_status_at, agent_phase, agent_phase_since, revision, agent_start_held_until, recovery_held_until, agent_start_claimed_at FROM machine_provided WHERE machine_id = $2::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
-        JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        JOIN checked_machine p ON p.machine_id = d.machine_id
+        WHERE p.provider = $1::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
     ) c
     WHERE c.machine_id = $2::uuid
@@ -1245,7 +1254,10 @@ type DecommissionMatchesParams struct {
 // DecommissionMatches reports whether the definition selects one machine by
 // its tags alone: a worker that holds the machine asks it, in the
 // transaction that admits a side effect, to verify that the machine is
-// still what it was claimed for (a heartbeat does not end a claim).
+// still what it was claimed for (a heartbeat does not end a claim). It
+// reads the machine's row by its primary key first (checked_machine), so
+// that no planner estimate can turn the check into a scan of the
+// candidates.
 func (q *Queries) DecommissionMatches(ctx context.Context, arg DecommissionMatchesParams) (bool, error) {
 	row := q.db.QueryRow(ctx, decommissionMatches, arg.Provider, arg.MachineID)
 	var matches bool
@@ -1259,7 +1271,7 @@ SELECT c.machine_id
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -1335,7 +1347,7 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
@@ -1403,7 +1415,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1415,13 +1427,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+          AND p.provider = $1::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1530,13 +1542,16 @@ func (q *Queries) ListRecoveryCandidates(ctx context.Context, arg ListRecoveryCa
 }
 
 const recoveryMatches = `-- name: RecoveryMatches :one
+WITH checked_machine AS MATERIALIZED (
+    SELECT machine_id, provider, provider_id, provider_reservation_id, provider_ip_address, provider_location, provider_status, provider_status_at, agent_phase, agent_phase_since, revision, agent_start_held_until, recovery_held_until, agent_start_claimed_at FROM machine_provided WHERE machine_id = $4::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
+        FROM checked_machine p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = $1
+        WHERE p.provider = $1::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1546,15 +1561,15 @@ SELECT EXISTS (
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
+        JOIN checked_machine p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * $3::bigint
-          AND p.provider = $1
+          AND p.provider = $1::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired($3::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
-        FROM machine_provided p
-        WHERE p.provider = $1
+        FROM checked_machine p
+        WHERE p.provider = $1::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -1584,7 +1599,10 @@ type RecoveryMatchesParams struct {
 // RecoveryMatches reports whether the definition selects one machine by
 // its tags alone: a worker that holds the machine asks it, in the
 // transaction that admits a side effect, to verify that the machine is
-// still what it was claimed for (a heartbeat does not end a claim).
+// still what it was claimed for (a heartbeat does not end a claim). It
+// reads the machine's row by its primary key first (checked_machine), so
+// that no planner estimate can turn the check into a scan of the
+// candidates.
 func (q *Queries) RecoveryMatches(ctx context.Context, arg RecoveryMatchesParams) (bool, error) {
 	row := q.db.QueryRow(ctx, recoveryMatches,
 		arg.Provider,

@@ -23,7 +23,7 @@ SELECT c.machine_id
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -46,7 +46,7 @@ SELECT count(*)
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -71,7 +71,7 @@ SELECT count(*)
 FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
 ) c;
@@ -80,13 +80,19 @@ FROM (
 -- AgentStartMatches reports whether the definition selects one machine by
 -- its tags alone: a worker that holds the machine asks it, in the
 -- transaction that admits a side effect, to verify that the machine is
--- still what it was claimed for (a heartbeat does not end a claim).
+-- still what it was claimed for (a heartbeat does not end a claim). It
+-- reads the machine's row by its primary key first (checked_machine), so
+-- that no planner estimate can turn the check into a scan of the
+-- candidates.
+WITH checked_machine AS MATERIALIZED (
+    SELECT * FROM machine_provided WHERE machine_id = @machine_id::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
-        FROM machine_provided p
-        WHERE p.provider = @provider
+        FROM checked_machine p
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -121,7 +127,7 @@ WITH candidate AS (
         FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -209,7 +215,7 @@ WITH candidate AS (
         FROM (
         SELECT p.machine_id, GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingAgent'
           AND p.provider_status NOT IN ('Provisioning', 'ProvisioningFailedPermanent', 'Stopped', 'Missing')
           AND GREATEST(p.agent_phase_since, p.agent_start_held_until, p.agent_start_claimed_at) <= now()
@@ -303,7 +309,7 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
@@ -323,7 +329,7 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
 ) c
 WHERE NOT EXISTS (
@@ -345,21 +351,27 @@ FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
 ) c;
 
 -- name: DecommissionMatches :one
 -- DecommissionMatches reports whether the definition selects one machine by
 -- its tags alone: a worker that holds the machine asks it, in the
 -- transaction that admits a side effect, to verify that the machine is
--- still what it was claimed for (a heartbeat does not end a claim).
+-- still what it was claimed for (a heartbeat does not end a claim). It
+-- reads the machine's row by its primary key first (checked_machine), so
+-- that no planner estimate can turn the check into a scan of the
+-- candidates.
+WITH checked_machine AS MATERIALIZED (
+    SELECT * FROM machine_provided WHERE machine_id = @machine_id::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
-        JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        JOIN checked_machine p ON p.machine_id = d.machine_id
+        WHERE p.provider = @provider::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
     ) c
     WHERE c.machine_id = @machine_id::uuid
@@ -393,7 +405,7 @@ WITH candidate AS (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -477,7 +489,7 @@ WITH candidate AS (
         SELECT p.machine_id, GREATEST(d.requested_at, d.held_until) AS since
         FROM machine_decommission_request d
         JOIN machine_provided p ON p.machine_id = d.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND GREATEST(d.requested_at, d.held_until) <= now()
         ) c
         JOIN machine_provided seen ON seen.machine_id = c.machine_id
@@ -593,7 +605,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -605,13 +617,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -646,7 +658,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -658,13 +670,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -701,7 +713,7 @@ FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -713,13 +725,13 @@ FROM (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -739,14 +751,20 @@ FROM (
 -- RecoveryMatches reports whether the definition selects one machine by
 -- its tags alone: a worker that holds the machine asks it, in the
 -- transaction that admits a side effect, to verify that the machine is
--- still what it was claimed for (a heartbeat does not end a claim).
+-- still what it was claimed for (a heartbeat does not end a claim). It
+-- reads the machine's row by its primary key first (checked_machine), so
+-- that no planner estimate can turn the check into a scan of the
+-- candidates.
+WITH checked_machine AS MATERIALIZED (
+    SELECT * FROM machine_provided WHERE machine_id = @machine_id::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
         SELECT p.machine_id, p.agent_phase_since AS since
-        FROM machine_provided p
+        FROM checked_machine p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -756,15 +774,15 @@ SELECT EXISTS (
         UNION ALL
         SELECT h.machine_id, (CASE WHEN h.watched THEN h.agent_heartbeat_at END) AS since
         FROM machine_agent_heartbeat h
-        JOIN machine_provided p ON p.machine_id = h.machine_id
+        JOIN checked_machine p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
-        FROM machine_provided p
-        WHERE p.provider = @provider
+        FROM checked_machine p
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -822,7 +840,7 @@ WITH candidate AS (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -834,13 +852,13 @@ WITH candidate AS (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -950,7 +968,7 @@ WITH candidate AS (
         SELECT p.machine_id, p.agent_phase_since AS since
         FROM machine_provided p
         JOIN machine_agent_started s ON s.machine_id = p.machine_id
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase = 'AwaitingFirstHeartbeat'
           AND p.recovery_held_until IS NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')
@@ -962,13 +980,13 @@ WITH candidate AS (
         FROM machine_agent_heartbeat h
         JOIN machine_provided p ON p.machine_id = h.machine_id
         WHERE (CASE WHEN h.watched THEN h.agent_heartbeat_at END) < now() - interval '1 millisecond' * @heartbeat_timeout_ms::bigint
-          AND p.provider = @provider
+          AND p.provider = @provider::text
           AND p.provider_status NOT IN ('Missing', 'Stopped')
           AND NOT (SELECT heartbeat_recording_impaired(@heartbeat_timeout_ms::bigint))
         UNION ALL
         SELECT p.machine_id, p.recovery_held_until AS since
         FROM machine_provided p
-        WHERE p.provider = @provider
+        WHERE p.provider = @provider::text
           AND p.agent_phase IN ('AwaitingFirstHeartbeat', 'Heartbeating')
           AND p.recovery_held_until IS NOT NULL
           AND p.provider_status NOT IN ('Missing', 'Stopped')

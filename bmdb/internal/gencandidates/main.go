@@ -27,6 +27,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strings"
 	"text/template"
@@ -40,6 +41,9 @@ type definition struct {
 	// Matching is the SELECT of the Matching count: Select without the
 	// lines marked with notInMatchingMarker.
 	Matching string
+	// One is Select for one machine (the Matches check): every read of
+	// machine_provided p is the machine's row, found by its primary key.
+	One string
 	// Exclusions are the shared exclusions this definition is wrapped in.
 	Exclusions string
 	// StartedCause is the SQL of the cause the claim writes on the
@@ -104,6 +108,18 @@ const backoffExclusion = `
           AND b.process = @process
           AND (b.backoff_until > now() OR b.quarantined_at IS NOT NULL))`
 
+// oneMachine replaces each machine_provided p of a definition in the
+// Matches check: the machine's row, read by its primary key in a
+// materialized CTE, which the planner cannot look through. Without it the planner
+// may choose to find the machine by scanning a partial candidate index and
+// filtering on the id, and does when its statistics are stale in the way
+// a fleet provisioned in bulk leaves them (analyzed while provisioning, so
+// the index looks empty): a scan of every candidate for each check.
+const oneMachine = "checked_machine p"
+
+// providedP matches the definitions' reads of machine_provided as p.
+var providedP = regexp.MustCompile(`\bmachine_provided p\b`)
+
 // heldDirective, on a line of its own in a definition's leading comment,
 // says that the definition itself leaves out the machines in backoff or
 // quarantine for its process, through the holds the work_backoff trigger
@@ -160,11 +176,17 @@ FROM (
 -- {{.Name}}Matches reports whether the definition selects one machine by
 -- its tags alone: a worker that holds the machine asks it, in the
 -- transaction that admits a side effect, to verify that the machine is
--- still what it was claimed for (a heartbeat does not end a claim).
+-- still what it was claimed for (a heartbeat does not end a claim). It
+-- reads the machine's row by its primary key first (checked_machine), so
+-- that no planner estimate can turn the check into a scan of the
+-- candidates.
+WITH checked_machine AS MATERIALIZED (
+    SELECT * FROM machine_provided WHERE machine_id = @machine_id::uuid
+)
 SELECT EXISTS (
     SELECT 1
     FROM (
-{{.Select}}
+{{.One}}
     ) c
     WHERE c.machine_id = @machine_id::uuid
 )::boolean AS matches;
@@ -454,5 +476,6 @@ func parse(path string) (definition, error) {
 	}
 	return definition{Name: name.String(), Doc: strings.Join(doc, "\n"), Select: strings.Join(body, "\n"),
 		Matching: strings.Join(matching, "\n"), Exclusions: excl, StartedCause: cause,
+		One:   providedP.ReplaceAllLiteralString(strings.Join(body, "\n"), oneMachine),
 		Claim: steps("(SELECT c.started_cause FROM candidate c)", sets) + "\n" + claimResult}, nil
 }
