@@ -25,22 +25,7 @@ func TestMatchesReadsOneMachine(t *testing.T) {
 	db.Exec(t, "UPDATE machine_provided SET provider_status = 'Running'")
 	cands := bmdb.AgentStartCandidates("p")
 	s := bmdbtest.Session(t, db, "test", time.Minute)
-	w, err := s.Work(t.Context(), bmdb.ProcessAgentStart, cands)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, generic := range []bool{false, true} {
-		plan, err := db.ExplainAnalyzeMatches(t.Context(), cands, w.MachineID, generic)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if b := planBuffers(t, plan); b > 20 {
-			t.Errorf("the check of one machine (generic plan: %v) touched %d buffers:\n%s", generic, b, plan)
-		}
-	}
-	if ok, err := db.Matches(t.Context(), cands, w.MachineID); err != nil || !ok {
-		t.Errorf("the claimed machine matches the agent-start definition: %v (%v), want true", ok, err)
-	}
+	w := claimAndCheckMatches(t, db, s, bmdb.ProcessAgentStart, cands, 20)
 	db.Exec(t, "UPDATE machine_provided SET provider_status = 'Stopped' WHERE machine_id = $1", w.MachineID)
 	if ok, err := db.Matches(t.Context(), cands, w.MachineID); err != nil || ok {
 		t.Errorf("a stopped machine matches the agent-start definition: %v (%v), want false", ok, err)
@@ -56,21 +41,30 @@ func TestRecoveryMatchesReadsOneMachine(t *testing.T) {
 	cands := bmdb.RecoveryCandidates("p", 0, 0)
 	s := bmdbtest.Session(t, db, "test", time.Minute)
 	for range 2 {
-		w, err := s.Work(t.Context(), bmdb.ProcessRecovery, cands)
+		claimAndCheckMatches(t, db, s, bmdb.ProcessRecovery, cands, 40)
+	}
+}
+
+// claimAndCheckMatches claims a machine for process under s and checks that
+// the Matches check of it touches at most maxBuffers buffers, with a plan
+// for the values and with the generic plan, and finds it a candidate.
+func claimAndCheckMatches(t *testing.T, db *bmdbtest.DB, s *bmdb.Session, process bmdb.Process, cands bmdb.Candidates, maxBuffers int) *bmdb.Work {
+	t.Helper()
+	w, err := s.Work(t.Context(), process, cands)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, generic := range []bool{false, true} {
+		plan, err := db.ExplainAnalyzeMatches(t.Context(), cands, w.MachineID, generic)
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, generic := range []bool{false, true} {
-			plan, err := db.ExplainAnalyzeMatches(t.Context(), cands, w.MachineID, generic)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if b := planBuffers(t, plan); b > 40 {
-				t.Errorf("the check of one machine (generic plan: %v) touched %d buffers:\n%s", generic, b, plan)
-			}
-		}
-		if ok, err := db.Matches(t.Context(), cands, w.MachineID); err != nil || !ok {
-			t.Errorf("the claimed machine matches the recovery definition: %v (%v), want true", ok, err)
+		if b := planBuffers(t, plan); b > maxBuffers {
+			t.Errorf("%s: the check of one machine (generic plan: %v) touched %d buffers:\n%s", cands, generic, b, plan)
 		}
 	}
+	if ok, err := db.Matches(t.Context(), cands, w.MachineID); err != nil || !ok {
+		t.Errorf("%s: the claimed machine matches the definition: %v (%v), want true", cands, ok, err)
+	}
+	return w
 }
