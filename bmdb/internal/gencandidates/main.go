@@ -134,7 +134,7 @@ const heldDirective = "-- +gencandidates:holds-exclude-backoff"
 // that every claim makes (it moves the revision). A definition whose
 // since depends on them can so move a claimed machine within its index
 // range (agent start moves it to the end: migration 00026).
-const claimSetsDirective = "-- +gencandidates:claim-sets "
+const claimSetsDirective = "-- +gencandidates:claim-sets"
 
 // decommissionExclusion is added to exclusions for every definition but the
 // decommissioner's own: a machine being decommissioned is not worked on by
@@ -425,8 +425,11 @@ func parse(path string) (definition, error) {
 			continue
 		}
 		if a, ok := strings.CutPrefix(strings.TrimSpace(line), claimSetsDirective); ok && len(body) == 0 {
+			if a != "" && a[0] != ' ' && a[0] != '\t' {
+				return definition{}, fmt.Errorf("%s: unknown directive %q", path, strings.TrimSpace(line))
+			}
 			if sets = strings.TrimSpace(a); sets == "" {
-				return definition{}, fmt.Errorf("%s: %s names no assignment", path, strings.TrimSpace(claimSetsDirective))
+				return definition{}, fmt.Errorf("%s: %s names no assignment", path, claimSetsDirective)
 			}
 			continue
 		}
