@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+	pgxuuid "github.com/vgarvardt/pgx-google-uuid/v5"
 
 	"github.com/shepherd/shepherd/bmdb/model"
 )
@@ -188,9 +190,12 @@ func (db *DB) HoldConnections(ctx context.Context) (release func(), err error) {
 }
 
 // EncodesUUIDsAsBytes reports whether connections of both pools encode a
-// uuid.UUID parameter with the plan of encodeUUIDsAsBytes rather than
-// through its database/sql string.
+// uuid.UUID parameter with the plan pgx-google-uuid registers (as
+// encodeUUIDsAsBytes does) rather than through its database/sql string.
 func (db *DB) EncodesUUIDsAsBytes(ctx context.Context) (bool, error) {
+	ref := pgtype.NewMap()
+	pgxuuid.Register(ref)
+	want := reflect.TypeOf(ref.PlanEncode(pgtype.UUIDOID, pgtype.BinaryFormatCode, uuid.UUID{}))
 	for _, pool := range []*pgxpool.Pool{db.pool, db.hbPool} {
 		c, err := pool.Acquire(ctx)
 		if err != nil {
@@ -198,7 +203,7 @@ func (db *DB) EncodesUUIDsAsBytes(ctx context.Context) (bool, error) {
 		}
 		plan := c.Conn().TypeMap().PlanEncode(pgtype.UUIDOID, pgtype.BinaryFormatCode, uuid.UUID{})
 		c.Release()
-		if _, ok := plan.(*uuidEncodePlan); !ok {
+		if reflect.TypeOf(plan) != want {
 			return false, nil
 		}
 	}

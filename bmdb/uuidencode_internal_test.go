@@ -6,12 +6,14 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
+	pgxuuid "github.com/vgarvardt/pgx-google-uuid/v5"
 )
 
-// TestUUIDsEncodeAsBytes: with wrapUUIDs a uuid.UUID parameter, alone or in
-// an array, encodes as pgx encodes its own 16-byte UUIDs, without the
-// database/sql detour through a string (20 allocations per UUID in an array
-// before, where the wrapper makes 2), and the text format still reads as
+// TestUUIDsEncodeAsBytes: with pgx-google-uuid registered (as
+// encodeUUIDsAsBytes does) a uuid.UUID parameter, alone or in an array,
+// encodes as pgx encodes its own 16-byte UUIDs, without the database/sql
+// detour through a string (20 allocations per UUID in an array before,
+// where the registered plan makes 2), and the text format still reads as
 // the UUID.
 // (Not parallel: testing.AllocsPerRun refuses to run in a parallel test.)
 func TestUUIDsEncodeAsBytes(t *testing.T) {
@@ -22,7 +24,7 @@ func TestUUIDsEncodeAsBytes(t *testing.T) {
 		native[i] = ids[i]
 	}
 	m := pgtype.NewMap()
-	wrapUUIDs(m)
+	pgxuuid.Register(m)
 	want, err := m.Encode(pgtype.UUIDArrayOID, pgtype.BinaryFormatCode, native, nil)
 	if err != nil {
 		t.Fatal(err)
