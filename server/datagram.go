@@ -109,38 +109,50 @@ func (s *Server) grant(machine uuid.UUID, key ed25519.PublicKey, floor int64) *a
 // addresses (a virtual IP, a secondary address) is not always the one the
 // agent sent to, and the agent's connected socket drops a reply from any
 // other address.
-func listenUDP(addr string) (*net.UDPConn, localDst, error) {
+func listenUDP(addr string) (*net.UDPConn, error) {
 	ua, err := net.ResolveUDPAddr("udp", addr)
 	if err != nil {
-		return nil, dstBound, fmt.Errorf("server: resolving datagram address %s: %w", addr, err)
+		return nil, fmt.Errorf("server: resolving datagram address %s: %w", addr, err)
 	}
 	conn, err := net.ListenUDP("udp", ua)
 	if err != nil {
-		return nil, dstBound, fmt.Errorf("server: listening for datagrams on %s: %w", addr, err)
+		return nil, fmt.Errorf("server: listening for datagrams on %s: %w", addr, err)
 	}
 	// Best effort: a smaller buffer only drops bursts earlier, and agents
 	// resend.
 	_ = conn.SetReadBuffer(datagramReadBuffer)
-	mode, err := askForDestination(conn)
-	if err != nil {
+	if _, err := askForDestination(conn); err != nil {
 		_ = conn.Close()
-		return nil, dstBound, fmt.Errorf("server: asking for the destination of datagrams on %s: %w", addr, err)
+		return nil, fmt.Errorf("server: asking for the destination of datagrams on %s: %w", addr, err)
 	}
-	return conn, mode, nil
+	return conn, nil
 }
 
 // askForDestination has a socket bound to every address deliver each
 // datagram's destination address with it, and says how to read it; a
 // socket bound to one address is left as it is (dstBound).
 func askForDestination(conn *net.UDPConn) (localDst, error) {
+	switch mode := destinationOf(conn); mode {
+	case dstIPv4:
+		return mode, ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true)
+	case dstIPv6:
+		return mode, ipv6.NewPacketConn(conn).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
+	default:
+		return mode, nil
+	}
+}
+
+// destinationOf says how a socket that askForDestination prepared
+// delivers each datagram's destination, from the address it is bound to.
+func destinationOf(conn *net.UDPConn) localDst {
 	ip := conn.LocalAddr().(*net.UDPAddr).IP
 	switch {
 	case ip != nil && !ip.IsUnspecified():
-		return dstBound, nil
+		return dstBound
 	case ip.To4() != nil:
-		return dstIPv4, ipv4.NewPacketConn(conn).SetControlMessage(ipv4.FlagDst, true)
+		return dstIPv4
 	default:
-		return dstIPv6, ipv6.NewPacketConn(conn).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
+		return dstIPv6
 	}
 }
 
@@ -210,7 +222,7 @@ func (m localDst) source(local netip.Addr, ifIndex int) []byte {
 type datagramServer struct {
 	s    *Server
 	conn *net.UDPConn // set by run, before any datagram is read
-	dst  localDst     // set by run, as conn
+	dst  localDst     // set by run, from conn
 	// port is the socket's UDP port, for grants; 0 until Listen.
 	port atomic.Uint32
 	pool sync.Pool
@@ -253,8 +265,8 @@ type datagramBeat struct {
 // deadline rather than by closing the socket, so that the heartbeats they
 // submitted can still be answered as their batches are written; Run closes
 // the socket once the batcher has stopped.
-func (d *datagramServer) run(ctx context.Context, conn *net.UDPConn, dst localDst) {
-	d.conn, d.dst = conn, dst
+func (d *datagramServer) run(ctx context.Context, conn *net.UDPConn) {
+	d.conn, d.dst = conn, destinationOf(conn)
 	var wg sync.WaitGroup
 	for range datagramReaders {
 		wg.Go(func() { d.read(ctx) })

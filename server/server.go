@@ -171,7 +171,6 @@ type Server struct {
 	mu       sync.Mutex
 	listener net.Listener
 	udp      *net.UDPConn
-	udpDst   localDst // how udp learns the address each datagram was sent to
 }
 
 // New validates cfg, loads or creates the server's TLS certificate and
@@ -267,11 +266,11 @@ func (s *Server) Listen() (net.Addr, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.udp == nil && s.datagrams != nil {
-		udp, dst, err := listenUDP(s.cfg.DatagramListen)
+		udp, err := listenUDP(s.cfg.DatagramListen)
 		if err != nil {
 			return nil, err
 		}
-		s.udp, s.udpDst = udp, dst
+		s.udp = udp
 		s.datagrams.port.Store(uint32(udp.LocalAddr().(*net.UDPAddr).Port))
 	}
 	if s.listener == nil {
@@ -388,7 +387,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if s.datagrams != nil {
 		go func() {
 			defer close(readersDone)
-			s.datagrams.run(runCtx, s.udp, s.udpDst)
+			s.datagrams.run(runCtx, s.udp)
 		}()
 	} else {
 		close(readersDone)
