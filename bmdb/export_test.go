@@ -118,7 +118,7 @@ func (db *DB) ExplainAnalyzeHeartbeats(ctx context.Context, hbs []Heartbeat) (st
 	return db.autoExplain(ctx, capt, "name: HeartbeatRecord", "force_generic_plan")
 }
 
-// autoExplain runs the captured statement in a transaction it rolls back,
+// autoExplain runs the captured statement in transactions it rolls back,
 // with the plan cache mode given, and returns the plan auto_explain reports
 // for it (with ANALYZE and BUFFERS): the notice that contains name.
 func (db *DB) autoExplain(ctx context.Context, capt capturedQuery, name, planCacheMode string) (string, error) {
@@ -143,21 +143,28 @@ func (db *DB) autoExplain(ctx context.Context, capt capturedQuery, name, planCac
 			return "", fmt.Errorf("%s: %w", set, err)
 		}
 	}
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		return "", err
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	mu.Lock()
-	notices = nil
-	mu.Unlock()
-	rows, err := tx.Query(ctx, capt.sql, capt.args...)
-	if err != nil {
-		return "", err
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return "", err
+	// Twice, each in a transaction rolled back, keeping the second plan: the
+	// first one's buffers include what a new connection reads once (the
+	// catalog, to compile PL/pgSQL functions). The plan is logged when the
+	// executor ends, which for a plain SELECT is when its transaction ends:
+	// the notices are read after the rollback.
+	for range 2 {
+		mu.Lock()
+		notices = nil
+		mu.Unlock()
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			return "", err
+		}
+		rows, err := tx.Query(ctx, capt.sql, capt.args...)
+		if err != nil {
+			_ = tx.Rollback(ctx)
+			return "", err
+		}
+		rows.Close()
+		if err := errors.Join(rows.Err(), tx.Rollback(ctx)); err != nil {
+			return "", err
+		}
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -231,59 +238,19 @@ func (db *DB) ExplainAnalyzeClaim(ctx context.Context, s *Session, process Proce
 }
 
 // ExplainAnalyzeMatches runs the statement c's Matches check sends for
-// machine with EXPLAIN (ANALYZE, BUFFERS), as a prepared statement with
-// the generic plan if generic, else with a plan for the values, and returns
-// the plan.
+// machine, in a transaction it rolls back, and returns the plan
+// auto_explain reports for it (with ANALYZE and BUFFERS): the generic plan
+// if generic, else the plan for the values.
 func (db *DB) ExplainAnalyzeMatches(ctx context.Context, c Candidates, machine uuid.UUID, generic bool) (string, error) {
 	var capt capturedQuery
 	if _, err := c.matches(ctx, model.New(&capt), machine); !errors.Is(err, errCaptured) {
 		return "", fmt.Errorf("capturing the statement: %v", err)
 	}
-	// A connection of its own: the prepared statement dies with it.
-	conn, err := pgx.ConnectConfig(ctx, db.pool.Config().ConnConfig.Copy())
-	if err != nil {
-		return "", err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
 	mode := "force_custom_plan"
 	if generic {
 		mode = "force_generic_plan"
 	}
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		return "", err
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// EXPLAIN EXECUTE takes its parameters as literals.
-	var lits []string
-	for _, a := range capt.args {
-		switch v := a.(type) {
-		case string:
-			lits = append(lits, "'"+strings.ReplaceAll(v, "'", "''")+"'")
-		case uuid.UUID:
-			lits = append(lits, "'"+v.String()+"'")
-		default:
-			lits = append(lits, fmt.Sprint(v))
-		}
-	}
-	for _, sql := range []string{"SET LOCAL plan_cache_mode = " + mode, "PREPARE explained_matches AS " + capt.sql} {
-		if _, err := tx.Exec(ctx, sql); err != nil {
-			return "", err
-		}
-	}
-	// The second run's plan: the first one's buffers include what the
-	// connection reads once (the catalog, to compile PL/pgSQL functions).
-	var lines []string
-	for range 2 {
-		rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS) EXECUTE explained_matches("+strings.Join(lits, ", ")+")", pgx.QueryExecModeSimpleProtocol)
-		if err != nil {
-			return "", err
-		}
-		if lines, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
-			return "", err
-		}
-	}
-	return strings.Join(lines, "\n"), nil
+	return db.autoExplain(ctx, capt, "Matches", mode)
 }
 
 // Matches reports whether c's definition selects machine by its tags.
