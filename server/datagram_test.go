@@ -546,7 +546,12 @@ func TestDatagramBusy(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Machines started after the server read the fleet's keys, and never
-	// heartbeating over TLS: their keys are not verified.
+	// heartbeating over TLS: their keys are not verified. Run reads the keys
+	// before it serves, while servertest.Start returns at once: a machine
+	// added before the read is verified, and its datagram queues where a
+	// full queue waits instead of refusing (seen once in CI, under load).
+	// Another machine's TLS heartbeat, answered, shows the read is done.
+	e.grantOf(e.machine())
 	type agent struct {
 		id  uuid.UUID
 		key ed25519.PrivateKey
